@@ -1,0 +1,54 @@
+"""Readable pure-torch AdamW and SignSGD updates: the ground truth for tests and benchmarks.
+
+Each line is one float32 operation in the same order as the native kernels
+(csrc/kernels/optimizer_kernels.h), so on the CPU the two agree bit for bit.
+NOTE: scalars are float32 tensors of the operand's shape, not Python numbers: torch may
+turn division by a Python scalar into multiplication by its reciprocal, and add/addcmul
+with ``alpha``/``value`` may use a fused multiply-add; both would change the rounding.
+NOTE: torch's float32 CPU sqrt is not correctly rounded (it differs from IEEE sqrt in about
+one element in seven); the square root is taken in float64 and rounded once to float32,
+which equals the correctly rounded float32 sqrt (53 >= 2*24 + 2 bits).
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+
+__all__ = ["adamw_reference_", "sign_sgd_reference_"]
+
+
+def _f32(value: float, like: torch.Tensor) -> torch.Tensor:
+    return torch.full_like(like, value, dtype=torch.float32)
+
+
+def _sqrt_f32(x: torch.Tensor) -> torch.Tensor:
+    return torch.sqrt(x.double()).float()
+
+
+def adamw_reference_(param, grad, exp_avg, exp_avg_sq, step, *, lr, beta1, beta2, eps,
+                     weight_decay, grad_scale=1.0):
+    """One AdamW step on fp32 ``param``/``exp_avg``/``exp_avg_sq`` in place.
+
+    ``step`` is the step count after this update (1 on the first step). Returns ``param``.
+    """
+    bias_correction1 = 1.0 - beta1 ** step          # in double, once per tensor
+    bias_correction2 = 1.0 - beta2 ** step
+    g = grad.float() * _f32(grad_scale, param)
+    p = param * _f32(1.0 - lr * weight_decay, param)                       # decoupled weight decay
+    m = exp_avg * _f32(beta1, param) + g * _f32(1.0 - beta1, param)        # m = b1*m + (1-b1)*g
+    v = exp_avg_sq * _f32(beta2, param) + (g * _f32(1.0 - beta2, param)) * g   # v = b2*v + (1-b2)*g^2
+    denom = _sqrt_f32(v) / _f32(math.sqrt(bias_correction2), param) + _f32(eps, param)
+    p = p + (_f32(-(lr / bias_correction1), param) * m) / denom           # p - lr * m_hat / (sqrt(v_hat) + eps)
+    param.copy_(p)
+    exp_avg.copy_(m)
+    exp_avg_sq.copy_(v)
+    return param
+
+
+def sign_sgd_reference_(param, grad, *, lr, weight_decay):
+    """One SignSGD step on ``param`` in place: p <- p*(1 - lr*wd); p <- p - lr*sign(g)."""
+    p = param * _f32(1.0 - lr * weight_decay, param)
+    p = p - _f32(lr, param) * torch.sign(grad.float())
+    param.copy_(p)
+    return param

@@ -1,0 +1,445 @@
+# Topology: GPU -> NUMA node -> CPUs, and a per-local-rank CPU budget.
+#
+# Scope: read the host topology from sysfs (root injectable for tests), work out for every
+# local rank a disjoint CPU set on its GPU's NUMA node and a worker-thread count, and bind
+# the process, the native worker pool and torch's intra-op pool to that set.
+# Non-goals: memory policy (host state is placed by first touch from the bound threads),
+# cross-host coordination, hot-plugged CPUs, and NUMA nodes without CPUs.
+#
+# Diagnostic: `python -m cpu_offload.topology [--json]`.
+
+from __future__ import annotations
+
+__all__ = [
+    "BindingPlan", "parse_cpulist", "format_cpulist", "local_rank_info", "gpu_pci_addresses",
+    "plan_all", "plan_for_rank", "bind", "main",
+]
+
+import argparse
+import dataclasses
+import importlib
+import json
+import logging
+import os
+import sys
+from collections.abc import Iterable, Mapping, Sequence
+
+logger = logging.getLogger(__name__)
+
+
+@dataclasses.dataclass(frozen=True)
+class BindingPlan:
+    """Where one local rank's CPU work runs.
+
+    Args:
+        local_rank: the rank's index on this host (torchrun's LOCAL_RANK).
+        gpu: the CUDA device index the rank drives, or None without a GPU.
+        pci_address: the GPU's PCI address (``dddd:bb:dd.f``), or None when unknown.
+        numa_node: the NUMA node the CPUs were taken from, or None when the binding is
+            not NUMA-local (GPU reports no node, or the topology files are absent).
+        cpus: the rank's CPUs, disjoint from every other local rank's; the process
+            affinity. Siblings of one core are adjacent.
+        num_threads: native worker threads; one per CPU of ``worker_cpus``.
+    """
+
+    local_rank: int
+    gpu: int | None
+    pci_address: str | None
+    numa_node: int | None
+    cpus: tuple[int, ...]
+    num_threads: int
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.cpus, tuple) or not self.cpus:
+            raise ValueError(f"BindingPlan.cpus must be a non-empty tuple, got {self.cpus!r}")
+        if len(set(self.cpus)) != len(self.cpus) or min(self.cpus) < 0:
+            raise ValueError(f"BindingPlan.cpus must be distinct CPU ids >= 0, got {self.cpus!r}")
+        if not 1 <= self.num_threads <= len(self.cpus):
+            raise ValueError(
+                f"BindingPlan.num_threads must be in [1, {len(self.cpus)}], got {self.num_threads}"
+            )
+
+    @property
+    def worker_cpus(self) -> tuple[int, ...]:
+        """The CPUs the native workers are pinned to, one each."""
+        return self.cpus[: self.num_threads]
+
+    @property
+    def python_cpu(self) -> int | None:
+        """The CPU left to the Python/driver thread, or None when it shares with workers."""
+        return self.cpus[-1] if self.num_threads < len(self.cpus) else None
+
+
+# ---------------------------------------------------------------------------- cpulists
+
+
+def parse_cpulist(text: str) -> set[int]:
+    """Parse a kernel cpulist such as ``"0-15,32-47"`` or ``"3,5-6"`` ("" is empty)."""
+    cpus: set[int] = set()
+    for part in text.strip().split(","):
+        part = part.strip()
+        if not part:
+            continue
+        lo, sep, hi = part.partition("-")
+        try:
+            first, last = int(lo), int(hi) if sep else int(lo)
+        except ValueError:
+            raise ValueError(f"invalid cpulist {text!r}: bad entry {part!r}") from None
+        if first < 0 or last < first:
+            raise ValueError(f"invalid cpulist {text!r}: bad range {part!r}")
+        cpus.update(range(first, last + 1))
+    return cpus
+
+
+def format_cpulist(cpus: Iterable[int]) -> str:
+    """The inverse of :func:`parse_cpulist`: sorted, consecutive ids folded into ranges."""
+    runs: list[list[int]] = []
+    for cpu in sorted(set(cpus)):
+        if runs and cpu == runs[-1][1] + 1:
+            runs[-1][1] = cpu
+        else:
+            runs.append([cpu, cpu])
+    return ",".join(str(a) if a == b else f"{a}-{b}" for a, b in runs)
+
+
+# ---------------------------------------------------------------------------- discovery
+
+
+def local_rank_info(environ: Mapping[str, str] | None = None) -> tuple[int, int]:
+    """(LOCAL_RANK, LOCAL_WORLD_SIZE) from torchrun's variables; (0, 1) when unset."""
+    env = os.environ if environ is None else environ
+    values = []
+    for name, default in (("LOCAL_RANK", 0), ("LOCAL_WORLD_SIZE", 1)):
+        raw = env.get(name)
+        try:
+            values.append(default if raw is None or raw == "" else int(raw))
+        except ValueError:
+            raise ValueError(f"environment variable {name}={raw!r} is not an integer") from None
+    rank, size = values
+    if size < 1 or not 0 <= rank < size:
+        raise ValueError(f"LOCAL_RANK={rank} must be in [0, LOCAL_WORLD_SIZE={size})")
+    return rank, size
+
+
+def _nvml_pci_address(index: int, props: object) -> str | None:
+    try:
+        import pynvml
+    except ImportError:
+        return None
+    try:
+        pynvml.nvmlInit()
+        uuid = getattr(props, "uuid", None)
+        # NOTE: NVML numbers GPUs physically and ignores CUDA_VISIBLE_DEVICES; the UUID
+        # names the same device in both worlds, so it is preferred over the index.
+        if uuid is not None:
+            handle = pynvml.nvmlDeviceGetHandleByUUID(f"GPU-{uuid}")
+        else:
+            handle = pynvml.nvmlDeviceGetHandleByIndex(index)
+        info = pynvml.nvmlDeviceGetPciInfo(handle)
+        return f"{info.domain:04x}:{info.bus:02x}:{info.device:02x}.0"
+    except Exception as exc:  # NVML raises its own error types; a failure only loses a hint
+        logger.warning("NVML could not report the PCI address of GPU %d: %s", index, exc)
+        return None
+
+
+def gpu_pci_addresses() -> list[str | None]:
+    """PCI address of every visible CUDA device, in CUDA index order ([] without CUDA).
+
+    From torch's device properties, else NVML (``pynvml``) when installed, else None.
+    """
+    import torch
+
+    if not torch.cuda.is_available():
+        return []
+    addresses: list[str | None] = []
+    for index in range(torch.cuda.device_count()):
+        props = torch.cuda.get_device_properties(index)
+        ids = [getattr(props, f"pci_{k}_id", None) for k in ("domain", "bus", "device")]
+        if all(isinstance(v, int) for v in ids):
+            addresses.append(f"{ids[0]:04x}:{ids[1]:02x}:{ids[2]:02x}.0")
+        else:
+            addresses.append(_nvml_pci_address(index, props))
+    return addresses
+
+
+def _read(path: str) -> str | None:
+    try:
+        with open(path) as f:
+            return f.read()
+    except FileNotFoundError:
+        return None
+
+
+def _missing(path: str, what: str, require: bool) -> None:
+    if require:
+        raise FileNotFoundError(f"{what}: {path} does not exist (topology is required here)")
+    logger.warning("%s: %s does not exist; not binding to a NUMA node", what, path)
+
+
+def _gpu_node(gpu: int, pci: str | None, root: str, require: bool) -> int | None:
+    """The GPU's NUMA node, or None (with a warning) when it has none or is unknown."""
+    if pci is None:
+        if require:
+            raise RuntimeError(
+                f"cannot find the PCI address of GPU {gpu}: this torch build does not report "
+                "pci_bus_id and pynvml is not installed"
+            )
+        logger.warning("GPU %d: PCI address unknown; not binding to a NUMA node", gpu)
+        return None
+    path = os.path.join(root, "bus", "pci", "devices", pci.lower(), "numa_node")
+    text = _read(path)
+    if text is None:
+        _missing(path, f"NUMA node of GPU {gpu} ({pci})", require)
+        return None
+    try:
+        node = int(text.strip())
+    except ValueError:
+        raise ValueError(f"{path}: expected an integer, got {text.strip()!r}") from None
+    if node < 0:
+        logger.warning(
+            "GPU %d (PCI %s) reports no NUMA node (numa_node=%d in %s); skipping NUMA "
+            "binding, CPUs are still split fairly among local ranks",
+            gpu, pci, node, path,
+        )
+        return None
+    return node
+
+
+def _node_cpus(node: int, root: str, require: bool) -> set[int] | None:
+    path = os.path.join(root, "devices", "system", "node", f"node{node}", "cpulist")
+    text = _read(path)
+    if text is None:
+        _missing(path, f"CPUs of NUMA node {node}", require)
+        return None
+    return parse_cpulist(text)
+
+
+def _core_order(cpus: Iterable[int], root: str) -> list[int]:
+    """``cpus`` sorted so that SMT siblings sit next to each other, cores in id order.
+
+    NOTE: splitting a plain sorted list would give ranks 0-1 the first hardware threads of
+    all cores and ranks 2-3 their siblings (``0-15,32-47``), so ranks would share cores.
+    Without topology files every CPU counts as its own core.
+    """
+    cpus = set(cpus)
+    key: dict[int, tuple[int, int]] = {}
+    for cpu in cpus:
+        topo = os.path.join(root, "devices", "system", "cpu", f"cpu{cpu}", "topology")
+        text = _read(os.path.join(topo, "core_cpus_list"))
+        if text is None:
+            text = _read(os.path.join(topo, "thread_siblings_list"))
+        siblings = (parse_cpulist(text) & cpus) if text else set()
+        key[cpu] = (min(siblings | {cpu}), cpu)
+    return sorted(cpus, key=key.__getitem__)
+
+
+# ---------------------------------------------------------------------------- planning
+
+
+def _split(ordered: list[int], n: int) -> list[tuple[int, ...]]:
+    """``n`` consecutive slices of near-equal size (the first ones one larger)."""
+    base, extra = divmod(len(ordered), n)
+    bounds = [i * base + min(i, extra) for i in range(n + 1)]
+    return [tuple(ordered[bounds[i] : bounds[i + 1]]) for i in range(n)]
+
+
+def plan_all(
+    *,
+    local_world_size: int | None = None,
+    pci_addresses: Sequence[str | None] | None = None,
+    sysfs_root: str = "/sys",
+    allowed_cpus: Iterable[int] | None = None,
+    require_topology: bool = False,
+) -> list[BindingPlan]:
+    """The plan of every local rank on this host, in local-rank order.
+
+    Local rank k drives CUDA device k (torchrun's convention). Ranks whose GPUs share a
+    NUMA node split that node's allowed CPUs into disjoint, near-equal sets in local-rank
+    order; ranks without a usable node split the allowed CPUs no node group took.
+
+    Args:
+        local_world_size: ranks on this host; default LOCAL_WORLD_SIZE (or 1).
+        pci_addresses: PCI address per visible GPU; default :func:`gpu_pci_addresses`.
+        sysfs_root: where sysfs is mounted (a fake tree in tests).
+        allowed_cpus: CPUs the ranks may use; default ``os.sched_getaffinity(0)``.
+        require_topology: raise FileNotFoundError naming the path when a sysfs file is
+            missing (full offload), instead of warning and binding without NUMA.
+    """
+    if local_world_size is None:
+        local_world_size = local_rank_info()[1]
+    if local_world_size < 1:
+        raise ValueError(f"local_world_size must be >= 1, got {local_world_size}")
+    # NOTE: every rank must compute the same split without talking to the others, so the
+    # inputs must be the same on every rank: plan before bind() narrows the affinity.
+    allowed = set(os.sched_getaffinity(0) if allowed_cpus is None else allowed_cpus)
+    if not allowed:
+        raise ValueError("allowed_cpus is empty: no CPU to run the optimizer on")
+    addresses = list(gpu_pci_addresses() if pci_addresses is None else pci_addresses)
+
+    gpus: list[int | None]
+    if not addresses:
+        gpus = [None] * local_world_size  # CPU-only host: budget threads, no NUMA
+    elif len(addresses) >= local_world_size:
+        gpus = list(range(local_world_size))
+    else:
+        msg = (
+            f"LOCAL_WORLD_SIZE={local_world_size} but only {len(addresses)} GPU(s) are "
+            "visible, so the other ranks' GPUs are unknown; make all local GPUs visible to "
+            "every rank or pass pci_addresses"
+        )
+        if require_topology:
+            raise ValueError(msg)
+        logger.warning("%s; splitting CPUs without NUMA binding", msg)
+        gpus, addresses = [None] * local_world_size, []
+
+    nodes: list[int | None] = []
+    pools: dict[int | None, set[int]] = {}
+    for gpu in gpus:
+        node = None if gpu is None else _gpu_node(gpu, addresses[gpu], sysfs_root, require_topology)
+        if node is not None and node not in pools:
+            cpus = _node_cpus(node, sysfs_root, require_topology)
+            if cpus is not None and not cpus & allowed:
+                logger.warning(
+                    "NUMA node %d of GPU %s has no allowed CPU (node %s, allowed %s); "
+                    "not binding to it", node, gpu, format_cpulist(cpus), format_cpulist(allowed),
+                )
+            if cpus is None or not cpus & allowed:
+                node = None
+            else:
+                pools[node] = cpus & allowed
+        nodes.append(node)
+    pools[None] = allowed - set().union(*(p for k, p in pools.items() if k is not None))
+
+    plans: list[BindingPlan | None] = [None] * local_world_size
+    for node, pool in pools.items():
+        ranks = [r for r in range(local_world_size) if nodes[r] == node]
+        if not ranks:
+            continue
+        where = "with no NUMA binding" if node is None else f"on NUMA node {node}"
+        if len(pool) < len(ranks):
+            raise ValueError(
+                f"{len(ranks)} local ranks {where} but only {len(pool)} CPUs are available to "
+                f"them ({format_cpulist(pool) or 'none'}): a rank would get an empty CPU set; "
+                "use fewer ranks per host or widen the CPU affinity"
+            )
+        for rank, cpus in zip(ranks, _split(_core_order(pool, sysfs_root), len(ranks))):
+            # NOTE: one CPU stays with the Python/driver thread once there are more than two,
+            # so it never preempts a worker; with one or two CPUs workers take them all.
+            threads = len(cpus) - 1 if len(cpus) > 2 else len(cpus)
+            gpu = gpus[rank]
+            pci = None if gpu is None else addresses[gpu]
+            plans[rank] = BindingPlan(rank, gpu, pci, node, cpus, threads)
+    assert all(p is not None for p in plans), "every local rank belongs to one CPU pool"
+    return plans  # type: ignore[return-value]
+
+
+def plan_for_rank(
+    local_rank: int | None = None,
+    *,
+    local_world_size: int | None = None,
+    pci_addresses: Sequence[str | None] | None = None,
+    sysfs_root: str = "/sys",
+    allowed_cpus: Iterable[int] | None = None,
+    require_topology: bool = False,
+) -> BindingPlan:
+    """This rank's plan (LOCAL_RANK / LOCAL_WORLD_SIZE by default); see :func:`plan_all`."""
+    if local_rank is None or local_world_size is None:
+        env_rank, env_size = local_rank_info()
+        local_rank = env_rank if local_rank is None else local_rank
+        local_world_size = env_size if local_world_size is None else local_world_size
+    if not 0 <= local_rank < local_world_size:
+        raise ValueError(
+            f"local_rank={local_rank} must be in [0, local_world_size={local_world_size})"
+        )
+    plans = plan_all(local_world_size=local_world_size, pci_addresses=pci_addresses,
+                     sysfs_root=sysfs_root, allowed_cpus=allowed_cpus,
+                     require_topology=require_topology)
+    return plans[local_rank]
+
+
+# ---------------------------------------------------------------------------- binding
+
+
+def bind(plan: BindingPlan) -> None:
+    """Confine this process to ``plan.cpus`` and size and pin the worker pools to match.
+
+    Call it before any optimizer state is allocated, so that host state is first touched
+    by threads on the right NUMA node.
+    """
+    import torch
+
+    kernels = importlib.import_module("cpu_offload.kernels")  # lazy: native module
+    cpus = set(plan.cpus)
+    # NOTE: sched_setaffinity(0) changes the calling thread only; threads started earlier
+    # (torch's pools, the native pool, the CUDA driver's) keep their old mask. Every task
+    # of the process is updated so nothing keeps running outside the plan.
+    os.sched_setaffinity(0, cpus)
+    for tid in os.listdir("/proc/self/task"):
+        try:
+            os.sched_setaffinity(int(tid), cpus)
+        except (ProcessLookupError, PermissionError):
+            pass  # the thread has exited meanwhile
+    kernels.set_num_threads(plan.num_threads)
+    kernels.pin_threads(list(plan.worker_cpus))
+    torch.set_num_threads(plan.num_threads)
+    logger.info(
+        "local rank %d bound to CPUs %s (NUMA node %s), %d worker threads",
+        plan.local_rank, format_cpulist(plan.cpus), plan.numa_node, plan.num_threads,
+    )
+
+
+# ---------------------------------------------------------------------------- CLI
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    import torch
+
+    parser = argparse.ArgumentParser(
+        prog="python -m cpu_offload.topology",
+        description="Show the CPU binding plan of every local rank (one per visible GPU).",
+    )
+    parser.add_argument("--json", action="store_true", help="print JSON instead of a table")
+    parser.add_argument("--sysfs-root", default="/sys", help="where sysfs is mounted")
+    parser.add_argument("--local-world-size", type=int, default=None, help="ranks per host "
+                        "(default: one per visible GPU; LOCAL_WORLD_SIZE or 1 without GPUs)")
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=logging.WARNING, format="warning: %(message)s", stream=sys.stderr)
+
+    addresses = gpu_pci_addresses()
+    allowed = sorted(os.sched_getaffinity(0))
+    try:
+        size = args.local_world_size or len(addresses) or local_rank_info()[1]
+        plans = plan_all(local_world_size=size, pci_addresses=addresses,
+                         sysfs_root=args.sysfs_root, allowed_cpus=allowed)
+    except (ValueError, RuntimeError, FileNotFoundError) as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 1
+    note = None
+    if not addresses:
+        why = (f"torch {torch.__version__} is a CPU-only build" if torch.version.cuda is None
+               else "torch.cuda.is_available() is False")
+        note = (f"no CUDA GPU is visible ({why}): nothing to bind to a NUMA node; the thread "
+                "budget below is what the CPU work would use")
+
+    if args.json:
+        rows = [{**dataclasses.asdict(p), "cpus": list(p.cpus), "cpulist": format_cpulist(p.cpus),
+                 "worker_cpus": list(p.worker_cpus), "python_cpu": p.python_cpu} for p in plans]
+        print(json.dumps({"gpus_visible": len(addresses), "allowed_cpus": allowed,
+                          "local_world_size": size, "note": note, "plans": rows}, indent=2))
+        return 0
+    if note:
+        print(note)
+    print(f"allowed CPUs: {format_cpulist(allowed)} ({len(allowed)}); local ranks: {size}")
+    dash = lambda v: "-" if v is None else str(v)  # noqa: E731
+    table = [("rank", "gpu", "pci address", "node", "cpus", "threads", "python cpu")] + [
+        (str(p.local_rank), dash(p.gpu), dash(p.pci_address), dash(p.numa_node),
+         format_cpulist(p.cpus), str(p.num_threads), dash(p.python_cpu)) for p in plans
+    ]
+    widths = [max(len(row[i]) for row in table) for i in range(len(table[0]))]
+    for row in table:
+        print("  ".join(cell.ljust(w) for cell, w in zip(row, widths)).rstrip())
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

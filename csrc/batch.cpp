@@ -1,0 +1,72 @@
+// TensorBatch: overlap validation and the element-count split of a tensor list.
+#include "batch.h"
+#include <algorithm>
+#include <atomic>
+#include <stdexcept>
+#include "pool.h"
+
+namespace cpu_offload {
+namespace {
+
+// Split points fall on multiples of this many elements (a 64-byte line of fp32).
+constexpr int64_t kSplitAlign = 16;
+
+struct Span {
+  uintptr_t begin, end;
+  int role;
+  int64_t index;
+};
+
+}  // namespace
+
+// Below this many elements per worker the wake-up costs more than the work.
+std::atomic<int64_t> g_min_elements_per_worker{32768};
+
+TensorBatch::TensorBatch(std::vector<int64_t> numels, std::vector<Operand> operands)
+    : numels_(std::move(numels)), operands_(std::move(operands)) {
+  offsets_.resize(numels_.size() + 1, 0);
+  for (size_t t = 0; t < numels_.size(); ++t) {
+    if (numels_[t] < 0) throw std::invalid_argument("negative element count");
+    offsets_[t + 1] = offsets_[t] + numels_[t];
+  }
+  std::vector<Span> spans;
+  for (int r = 0; r < static_cast<int>(operands_.size()); ++r) {
+    const Operand& op = operands_[r];
+    if (op.ptrs.size() != numels_.size())
+      throw std::invalid_argument(op.role + ": expected " + std::to_string(numels_.size()) + " pointers");
+    for (size_t t = 0; t < numels_.size(); ++t)
+      if (numels_[t] > 0) spans.push_back({op.ptrs[t], op.ptrs[t] + numels_[t] * op.elem_size, r, int64_t(t)});
+  }
+  std::sort(spans.begin(), spans.end(), [](const Span& a, const Span& b) { return a.begin < b.begin; });
+  for (size_t i = 1; i < spans.size(); ++i) {
+    if (spans[i].begin < spans[i - 1].end) {
+      const Span& a = spans[i - 1];
+      const Span& b = spans[i];
+      throw std::invalid_argument(operands_[a.role].role + "[" + std::to_string(a.index) + "] and " +
+                                  operands_[b.role].role + "[" + std::to_string(b.index) +
+                                  "] overlap in memory; every tensor of one call must be distinct memory");
+    }
+  }
+}
+
+void TensorBatch::parallel_ranges(const std::function<void(int64_t, int64_t, int64_t)>& fn) const {
+  const int64_t n = total();
+  if (n == 0) return;
+  const int64_t workers = std::max<int64_t>(1, std::min<int64_t>(pool_num_threads(), n / std::max<int64_t>(1, g_min_elements_per_worker.load())));
+  pool_run(static_cast<int>(workers), [&](int k) {
+    // Global element range of worker k, aligned so vectors rarely straddle a split.
+    auto split = [&](int64_t j) { return j == workers ? n : (n * j / workers) / kSplitAlign * kSplitAlign; };
+    int64_t lo = split(k), hi = split(k + 1);
+    if (lo >= hi) return;
+    int64_t t = std::upper_bound(offsets_.begin(), offsets_.end(), lo) - offsets_.begin() - 1;
+    while (lo < hi) {
+      const int64_t t_end = offsets_[t + 1];
+      const int64_t stop = std::min(hi, t_end);
+      if (stop > lo) fn(t, lo - offsets_[t], stop - offsets_[t]);
+      lo = stop;
+      ++t;
+    }
+  });
+}
+
+}  // namespace cpu_offload

@@ -1,0 +1,119 @@
+// PYBIND11_MODULE only: raw pointers and sizes in, GIL released while kernels run.
+// Input validation that can name a tensor lives in cpu_offload/kernels.py; the checks
+// here (overlap, counts, ISA names) raise ValueError through pybind11.
+#include <pybind11/pybind11.h>
+#include <pybind11/stl.h>
+#include <cmath>
+#include <stdexcept>
+#include "batch.h"
+#include "dispatch.h"
+#include "pool.h"
+
+namespace py = pybind11;
+using namespace cpu_offload;
+
+namespace {
+
+TensorBatch make_batch(std::vector<int64_t> numels, std::vector<std::tuple<std::string, std::vector<uintptr_t>, int>> ops) {
+  std::vector<Operand> operands;
+  for (auto& [role, ptrs, elem_size] : ops) operands.push_back({role, std::move(ptrs), elem_size});
+  return TensorBatch(std::move(numels), std::move(operands));
+}
+
+void require_roles(const TensorBatch& b, int lo, int hi, const char* kernel) {
+  if (b.roles() < lo || b.roles() > hi)
+    throw std::invalid_argument(std::string(kernel) + ": batch has the wrong number of operands");
+}
+
+// Roles: params, grads, exp_avgs, exp_avg_sqs[, compute_params]. steps: int64[size()].
+void adamw(const TensorBatch& b, int grad_dtype, int out_kind, uintptr_t steps_ptr, double lr, double beta1,
+           double beta2, double eps, double weight_decay, double grad_scale) {
+  require_roles(b, 4, 5, "adamw");
+  py::gil_scoped_release release;
+  auto* steps = reinterpret_cast<int64_t*>(steps_ptr);
+  std::vector<AdamWScalars> scalars(b.size());
+  for (int64_t t = 0; t < b.size(); ++t) {
+    const double step = static_cast<double>(++steps[t]);
+    const double bc1 = 1.0 - std::pow(beta1, step);  // bias corrections, once per tensor, in double
+    const double bc2 = 1.0 - std::pow(beta2, step);
+    scalars[t] = {static_cast<float>(grad_scale),        static_cast<float>(1.0 - lr * weight_decay),
+                  static_cast<float>(beta1),             static_cast<float>(1.0 - beta1),
+                  static_cast<float>(beta2),             static_cast<float>(1.0 - beta2),
+                  static_cast<float>(eps),               static_cast<float>(-(lr / bc1)),
+                  static_cast<float>(std::sqrt(bc2))};
+  }
+  const KernelTable& k = active_kernels();
+  const auto gd = static_cast<DType>(grad_dtype);
+  const auto ok = b.roles() == 5 ? static_cast<OutKind>(out_kind) : OutKind::none;
+  b.parallel_ranges([&](int64_t t, int64_t lo, int64_t hi) {
+    const int gsz = gd == DType::f32 ? 4 : 2, osz = ok == OutKind::bf16 ? 2 : 4;
+    k.adamw(scalars[t], reinterpret_cast<float*>(b.ptr(0, t)) + lo,
+            reinterpret_cast<const char*>(b.ptr(1, t)) + lo * gsz, gd,
+            reinterpret_cast<float*>(b.ptr(2, t)) + lo, reinterpret_cast<float*>(b.ptr(3, t)) + lo,
+            ok == OutKind::none ? nullptr : reinterpret_cast<char*>(b.ptr(4, t)) + lo * osz, ok, hi - lo);
+  });
+}
+
+// Roles: params, grads[, compute_params].
+void sign_sgd(const TensorBatch& b, int grad_dtype, int out_kind, double lr, double weight_decay) {
+  require_roles(b, 2, 3, "sign_sgd");
+  py::gil_scoped_release release;
+  const SignSGDScalars s{static_cast<float>(1.0 - lr * weight_decay), static_cast<float>(lr)};
+  const KernelTable& k = active_kernels();
+  const auto gd = static_cast<DType>(grad_dtype);
+  const auto ok = b.roles() == 3 ? static_cast<OutKind>(out_kind) : OutKind::none;
+  b.parallel_ranges([&](int64_t t, int64_t lo, int64_t hi) {
+    const int gsz = gd == DType::f32 ? 4 : 2, osz = ok == OutKind::bf16 ? 2 : 4;
+    k.sign_sgd(s, reinterpret_cast<float*>(b.ptr(0, t)) + lo,
+               reinterpret_cast<const char*>(b.ptr(1, t)) + lo * gsz, gd,
+               ok == OutKind::none ? nullptr : reinterpret_cast<char*>(b.ptr(2, t)) + lo * osz, ok, hi - lo);
+  });
+}
+
+// Roles: accumulators, grads.
+void accumulate(const TensorBatch& b, int grad_dtype, bool add) {
+  require_roles(b, 2, 2, "accumulate");
+  py::gil_scoped_release release;
+  const KernelTable& k = active_kernels();
+  const auto gd = static_cast<DType>(grad_dtype);
+  const int gsz = gd == DType::f32 ? 4 : 2;
+  b.parallel_ranges([&](int64_t t, int64_t lo, int64_t hi) {
+    k.accumulate(reinterpret_cast<float*>(b.ptr(0, t)) + lo,
+                 reinterpret_cast<const char*>(b.ptr(1, t)) + lo * gsz, gd, add, hi - lo);
+  });
+}
+
+void scale_stream(uintptr_t ptr, int64_t n, double factor) {
+  TensorBatch b({n}, {{"buffer", {ptr}, 4}});
+  py::gil_scoped_release release;
+  const KernelTable& k = active_kernels();
+  b.parallel_ranges([&](int64_t, int64_t lo, int64_t hi) {
+    k.scale_stream(reinterpret_cast<float*>(ptr) + lo, static_cast<float>(factor), hi - lo);
+  });
+}
+
+}  // namespace
+
+PYBIND11_MODULE(_C, m) {
+  m.doc() = "cpu_offload native kernels (torch-independent; raw pointers and sizes)";
+  py::class_<TensorBatch>(m, "TensorBatch")
+      .def(py::init(&make_batch), py::arg("numels"), py::arg("operands"))
+      .def_property_readonly("size", &TensorBatch::size)
+      .def_property_readonly("total", &TensorBatch::total);
+  m.def("adamw", &adamw);
+  m.def("sign_sgd", &sign_sgd);
+  m.def("accumulate", &accumulate);
+  m.def("scale_stream", &scale_stream);
+  m.def("isa", &active_isa);
+  m.def("available_isas", &available_isas);
+  m.def("known_isas", &known_isas);
+  m.def("set_isa", &set_active_isa);
+  m.def("get_num_threads", &pool_num_threads);
+  m.def("set_num_threads", &pool_set_num_threads);
+  m.def("pin_threads", &pool_pin);
+  m.def("pinned_cpus", &pool_pinned_cpus);
+  m.def("set_min_elements_per_worker", [](int64_t n) {
+    if (n < 1) throw std::invalid_argument("min elements per worker must be >= 1");
+    g_min_elements_per_worker.store(n);
+  });
+}

@@ -1,0 +1,49 @@
+// Types shared by the dispatcher and the per-ISA kernel builds: element types, the
+// per-tensor scalars each kernel needs (computed once per tensor, in double, by the
+// caller), and the table of per-range kernel entry points that one ISA build fills in.
+// Non-goal: any torch type. Everything here is raw pointers and sizes.
+#pragma once
+#include <cstdint>
+
+namespace cpu_offload {
+
+enum class DType : int { f32 = 0, bf16 = 1 };
+enum class OutKind : int { none = 0, f32 = 1, bf16 = 2 };
+
+// AdamW, decoupled weight decay (torch.optim.AdamW), as float32 constants:
+//   p <- p * decay;  m <- beta1*m + (1-beta1)*g;  v <- beta2*v + ((1-beta2)*g)*g
+//   p <- p + (neg_step_size * m) / (sqrt(v) / bc2_sqrt + eps)
+struct AdamWScalars {
+  float grad_scale;
+  float decay;            // 1 - lr*wd
+  float beta1, one_minus_beta1;
+  float beta2, one_minus_beta2;
+  float eps;
+  float neg_step_size;    // -lr / (1 - beta1^step)
+  float bc2_sqrt;         // sqrt(1 - beta2^step)
+};
+
+// SignSGD: p <- p * decay; p <- p - lr * sign(g), sign(0) = 0.
+struct SignSGDScalars {
+  float decay;            // 1 - lr*wd (exactly 1 when wd == 0)
+  float lr;
+};
+
+// One ISA's kernels. Each entry updates one contiguous range of one tensor;
+// splitting tensors into ranges and ranges over threads happens in the caller.
+struct KernelTable {
+  const char* name;
+  void (*adamw)(const AdamWScalars& s, float* param, const void* grad, DType grad_dtype,
+                float* exp_avg, float* exp_avg_sq, void* out, OutKind out_kind, int64_t n);
+  void (*sign_sgd)(const SignSGDScalars& s, float* param, const void* grad, DType grad_dtype,
+                   void* out, OutKind out_kind, int64_t n);
+  void (*accumulate)(float* acc, const void* grad, DType grad_dtype, bool add, int64_t n);
+  void (*scale_stream)(float* x, float factor, int64_t n);  // bandwidth probe: x <- x * factor
+};
+
+const KernelTable* kernel_table_scalar();
+const KernelTable* kernel_table_avx2();
+const KernelTable* kernel_table_avx512();
+const KernelTable* kernel_table_avx512_bf16();
+
+}  // namespace cpu_offload

@@ -1,0 +1,138 @@
+// The optimizer math, written once as templates over a vector type V (vec/*.h).
+// Every kernel is a vector loop over whole vectors followed, right under it, by a scalar
+// tail doing the same operations through VecScalar, so any split of the work gives the
+// same bits. NOTE: no fused multiply-add anywhere (and -ffp-contract=off in the build):
+// each step is one correctly rounded IEEE operation, which is what makes every ISA equal
+// the scalar path and the pure-torch reference (cpu_offload/reference.py) bit for bit.
+#pragma once
+#include <cstdint>
+#include "../kernel_table.h"
+#include "../vec/scalar.h"
+
+namespace cpu_offload {
+namespace {
+
+template <class V, DType G>
+inline typename V::F load_grad(const void* grad, int64_t i) {
+  if constexpr (G == DType::f32) return V::load(static_cast<const float*>(grad) + i);
+  else return V::load_bf16(static_cast<const uint16_t*>(grad) + i);
+}
+
+template <class V, OutKind O>
+inline void store_out(void* out, int64_t i, typename V::F x) {
+  if constexpr (O == OutKind::f32) V::store(static_cast<float*>(out) + i, x);
+  else if constexpr (O == OutKind::bf16) V::store_bf16(static_cast<uint16_t*>(out) + i, x);
+}
+
+// ---- AdamW (torch.optim.AdamW semantics, decoupled weight decay) ----
+template <class V, DType G, OutKind O>
+inline void adamw_at(const AdamWScalars& s, float* param, const void* grad, float* exp_avg,
+                     float* exp_avg_sq, void* out, int64_t i) {
+  using F = typename V::F;
+  F g = V::mul(load_grad<V, G>(grad, i), V::set1(s.grad_scale));
+  F p = V::mul(V::load(param + i), V::set1(s.decay));                        // p * (1 - lr*wd)
+  F m = V::add(V::mul(V::load(exp_avg + i), V::set1(s.beta1)),
+               V::mul(g, V::set1(s.one_minus_beta1)));                       // m = b1*m + (1-b1)*g
+  F v = V::add(V::mul(V::load(exp_avg_sq + i), V::set1(s.beta2)),
+               V::mul(V::mul(g, V::set1(s.one_minus_beta2)), g));            // v = b2*v + (1-b2)*g*g
+  F denom = V::add(V::div(V::sqrt(v), V::set1(s.bc2_sqrt)), V::set1(s.eps)); // sqrt(v_hat) + eps, scaled
+  p = V::add(p, V::div(V::mul(V::set1(s.neg_step_size), m), denom));         // p - lr * m_hat / denom
+  V::store(param + i, p);
+  V::store(exp_avg + i, m);
+  V::store(exp_avg_sq + i, v);
+  store_out<V, O>(out, i, p);
+}
+
+template <class V, DType G, OutKind O>
+void adamw_range(const AdamWScalars& s, float* param, const void* grad, float* exp_avg,
+                 float* exp_avg_sq, void* out, int64_t n) {
+  int64_t i = 0;
+  for (; i + V::N <= n; i += V::N) adamw_at<V, G, O>(s, param, grad, exp_avg, exp_avg_sq, out, i);
+  for (; i < n; ++i) adamw_at<VecScalar, G, O>(s, param, grad, exp_avg, exp_avg_sq, out, i);
+}
+
+// ---- SignSGD ----
+template <class V, DType G, OutKind O>
+inline void sign_sgd_at(const SignSGDScalars& s, float* param, const void* grad, void* out, int64_t i) {
+  using F = typename V::F;
+  F p = V::mul(V::load(param + i), V::set1(s.decay));                       // p * (1 - lr*wd)
+  p = V::sub(p, V::mul(V::set1(s.lr), V::sign(load_grad<V, G>(grad, i))));  // p - lr * sign(g)
+  V::store(param + i, p);
+  store_out<V, O>(out, i, p);
+}
+
+template <class V, DType G, OutKind O>
+void sign_sgd_range(const SignSGDScalars& s, float* param, const void* grad, void* out, int64_t n) {
+  int64_t i = 0;
+  for (; i + V::N <= n; i += V::N) sign_sgd_at<V, G, O>(s, param, grad, out, i);
+  for (; i < n; ++i) sign_sgd_at<VecScalar, G, O>(s, param, grad, out, i);
+}
+
+// ---- gradient accumulation: acc <- g (copy) or acc <- acc + g ----
+template <class V, DType G, bool Add>
+void accumulate_range(float* acc, const void* grad, int64_t n) {
+  int64_t i = 0;
+  for (; i + V::N <= n; i += V::N) {
+    auto g = load_grad<V, G>(grad, i);
+    V::store(acc + i, Add ? V::add(V::load(acc + i), g) : g);
+  }
+  for (; i < n; ++i) {
+    float g = load_grad<VecScalar, G>(grad, i);
+    acc[i] = Add ? acc[i] + g : g;
+  }
+}
+
+// ---- bandwidth probe: one read and one write per element ----
+template <class V>
+void scale_stream_range(float* x, float factor, int64_t n) {
+  int64_t i = 0;
+  for (; i + V::N <= n; i += V::N) V::store(x + i, V::mul(V::load(x + i), V::set1(factor)));
+  for (; i < n; ++i) x[i] = x[i] * factor;
+}
+
+// ---- runtime (dtype, output) -> template instantiation ----
+template <class V>
+struct KernelsFor {
+  template <DType G>
+  static void adamw_g(const AdamWScalars& s, float* p, const void* g, float* m, float* v, void* out,
+                      OutKind o, int64_t n) {
+    switch (o) {
+      case OutKind::none: return adamw_range<V, G, OutKind::none>(s, p, g, m, v, out, n);
+      case OutKind::f32: return adamw_range<V, G, OutKind::f32>(s, p, g, m, v, out, n);
+      case OutKind::bf16: return adamw_range<V, G, OutKind::bf16>(s, p, g, m, v, out, n);
+    }
+  }
+  static void adamw(const AdamWScalars& s, float* p, const void* g, DType gd, float* m, float* v,
+                    void* out, OutKind o, int64_t n) {
+    if (gd == DType::f32) adamw_g<DType::f32>(s, p, g, m, v, out, o, n);
+    else adamw_g<DType::bf16>(s, p, g, m, v, out, o, n);
+  }
+  template <DType G>
+  static void sign_sgd_g(const SignSGDScalars& s, float* p, const void* g, void* out, OutKind o, int64_t n) {
+    switch (o) {
+      case OutKind::none: return sign_sgd_range<V, G, OutKind::none>(s, p, g, out, n);
+      case OutKind::f32: return sign_sgd_range<V, G, OutKind::f32>(s, p, g, out, n);
+      case OutKind::bf16: return sign_sgd_range<V, G, OutKind::bf16>(s, p, g, out, n);
+    }
+  }
+  static void sign_sgd(const SignSGDScalars& s, float* p, const void* g, DType gd, void* out,
+                       OutKind o, int64_t n) {
+    if (gd == DType::f32) sign_sgd_g<DType::f32>(s, p, g, out, o, n);
+    else sign_sgd_g<DType::bf16>(s, p, g, out, o, n);
+  }
+  static void accumulate(float* acc, const void* g, DType gd, bool add, int64_t n) {
+    if (gd == DType::f32) add ? accumulate_range<V, DType::f32, true>(acc, g, n)
+                              : accumulate_range<V, DType::f32, false>(acc, g, n);
+    else add ? accumulate_range<V, DType::bf16, true>(acc, g, n)
+             : accumulate_range<V, DType::bf16, false>(acc, g, n);
+  }
+  static void scale_stream(float* x, float factor, int64_t n) { scale_stream_range<V>(x, factor, n); }
+
+  static const KernelTable* table(const char* name) {
+    static const KernelTable t{name, &adamw, &sign_sgd, &accumulate, &scale_stream};
+    return &t;
+  }
+};
+
+}  // namespace
+}  // namespace cpu_offload

@@ -1,0 +1,53 @@
+# Builds the one native extension, cpu_offload._C: no torch headers, no torch library.
+# kernels/isa_target.cpp is compiled once per ISA target with that target's flags and
+# linked into the same module; the best target is chosen at import (csrc/dispatch.cpp).
+# NOTE: never -march=native: the module must run on any x86-64 CPU, whatever built it.
+import os
+import platform
+
+import pybind11
+from setuptools import Extension, setup
+from setuptools.command.build_ext import build_ext
+
+COMMON_FLAGS = ["-std=c++17", "-O3", "-ffp-contract=off", "-fno-math-errno", "-fvisibility=hidden"]
+X86_TARGETS = {
+    "scalar": [],
+    "avx2": ["-mavx2", "-mfma", "-mf16c"],
+    "avx512": ["-mavx2", "-mfma", "-mf16c", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq"],
+    "avx512_bf16": ["-mavx2", "-mfma", "-mf16c", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq",
+                    "-mavx512bf16"],
+}
+TARGET_IDS = {"scalar": 0, "avx2": 1, "avx512": 2, "avx512_bf16": 3}
+IS_X86 = platform.machine().lower() in ("x86_64", "amd64")
+
+
+class BuildPerIsa(build_ext):
+    """Compiles the kernel source once per ISA target, then links the module."""
+
+    def build_extension(self, ext):
+        targets = X86_TARGETS if IS_X86 else {"scalar": []}
+        objects = []
+        for name, flags in targets.items():
+            objects += self.compiler.compile(
+                ["csrc/kernels/isa_target.cpp"],
+                output_dir=os.path.join(self.build_temp, "isa_" + name),
+                macros=[("CPU_OFFLOAD_TARGET", str(TARGET_IDS[name]))],
+                extra_postargs=COMMON_FLAGS + flags,
+            )
+        ext.extra_objects = objects
+        super().build_extension(ext)
+
+
+setup(
+    ext_modules=[
+        Extension(
+            "cpu_offload._C",
+            sources=["csrc/bindings.cpp", "csrc/dispatch.cpp", "csrc/pool.cpp", "csrc/batch.cpp"],
+            include_dirs=[pybind11.get_include()],
+            extra_compile_args=COMMON_FLAGS,
+            extra_link_args=["-pthread"],
+            language="c++",
+        )
+    ],
+    cmdclass={"build_ext": BuildPerIsa},
+)
