@@ -405,7 +405,7 @@ def test_bind_pins_the_native_pool():
     data = json.loads(out)
     cpu = data["before"][-1]
     assert data["after"] == [cpu]
-    assert all(mask == [cpu] for mask in data["tasks"].values())
+    assert all(mask == [cpu] for mask in data["tasks"])
     assert data["pool"] == 1
     assert list(data["pinned"]) == [cpu]
     assert data["torch"] == 1
