@@ -7,14 +7,13 @@ the native code, which releases the GIL while it works. Non-goal: autograd, CUDA
 NOTE: a validated tensor list is cached by the identity of its tensor objects, so calling
 again with the same tensor objects skips the per-tensor checks (they cost more than the
 kernel for many small tensors). The cache holds weak references and drops an entry as soon
-as any of its tensors is freed, and holds each tensor's storage so memory it points into is
-never released under it. Do not swap a cached tensor's storage in place (``t.data = ...``,
-``t.set_(...)``, ``t.resize_(...)``); call ``clear_cache()`` if you must.
+as any of its tensors is freed. It cannot see a tensor whose storage is swapped in place
+(``t.data = ...``, ``t.set_(...)``, ``t.resize_(...)``): after doing that to a tensor you
+passed here, call ``clear_cache()``.
 """
 from __future__ import annotations
 
 import contextlib
-import itertools
 import math
 import os
 import threading
@@ -131,7 +130,7 @@ def _check_list(name, tensors, count, dtypes, numels=None):
 
 
 class _Entry:
-    __slots__ = ("batch", "codes", "refs", "storages")
+    __slots__ = ("batch", "codes", "refs")
 
 
 _cache: "OrderedDict[tuple, _Entry]" = OrderedDict()
@@ -160,8 +159,7 @@ def _prepared(kind: str, named_lists, dtypes_by_name) -> _Entry:
     for name, tensors in present:
         if not isinstance(tensors, (list, tuple)):
             raise TypeError(f"{name} must be a list or tuple of tensors, got {type(tensors).__name__}")
-    key = (kind, tuple(n for n, _ in present), tuple(len(l) for _, l in present),
-           tuple(map(id, itertools.chain.from_iterable(l for _, l in present))))
+    key = (kind, tuple(n for n, _ in present), _C.identity_key(tuple(l for _, l in present)))
     with _cache_lock:
         entry = _cache.get(key)
         if entry is not None:
@@ -182,7 +180,6 @@ def _prepared(kind: str, named_lists, dtypes_by_name) -> _Entry:
     callback = _forget(key)
     unique = {id(t): t for _, l in present for t in l}.values()
     entry.refs = [weakref.ref(t, callback) for t in unique]
-    entry.storages = [t.untyped_storage() for t in unique]
     with _cache_lock:
         _cache[key] = entry
         while len(_cache) > _CACHE_SIZE:

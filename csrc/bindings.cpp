@@ -4,6 +4,7 @@
 #include <pybind11/pybind11.h>
 #include <pybind11/stl.h>
 #include <cmath>
+#include <cstring>
 #include <stdexcept>
 #include "batch.h"
 #include "dispatch.h"
@@ -92,6 +93,26 @@ void scale_stream(uintptr_t ptr, int64_t n, double factor) {
   });
 }
 
+// The identities (addresses) of the tensors in several lists, packed as bytes: a cheap,
+// exact cache key for "the same tensor objects as last time" (see kernels.py).
+py::bytes identity_key(const py::tuple& lists) {
+  std::string key;
+  for (py::handle lst : lists) {
+    Py_ssize_t n = 0;
+    if (!lst.is_none()) {
+      if (!PyList_Check(lst.ptr()) && !PyTuple_Check(lst.ptr()))
+        throw py::type_error("identity_key: expected lists or tuples");
+      n = PySequence_Fast_GET_SIZE(lst.ptr());
+    }
+    const size_t at = key.size();
+    key.resize(at + sizeof(Py_ssize_t) + sizeof(PyObject*) * n);
+    std::memcpy(&key[at], &n, sizeof(n));
+    PyObject** items = n ? PySequence_Fast_ITEMS(lst.ptr()) : nullptr;
+    if (n) std::memcpy(&key[at + sizeof(Py_ssize_t)], items, sizeof(PyObject*) * n);
+  }
+  return py::bytes(key);
+}
+
 }  // namespace
 
 PYBIND11_MODULE(_C, m) {
@@ -104,6 +125,7 @@ PYBIND11_MODULE(_C, m) {
   m.def("sign_sgd", &sign_sgd);
   m.def("accumulate", &accumulate);
   m.def("scale_stream", &scale_stream);
+  m.def("identity_key", &identity_key);
   m.def("isa", &active_isa);
   m.def("available_isas", &available_isas);
   m.def("known_isas", &known_isas);

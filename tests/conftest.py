@@ -1,0 +1,37 @@
+# Shared fixtures: ISA parametrization that skips (visibly) targets this CPU lacks.
+import pytest
+import torch
+
+from cpu_offload import _C, kernels
+
+ALL_ISAS = list(_C.known_isas())
+
+
+def isa_params():
+    """One pytest param per known ISA, skipped with a reason when this CPU lacks it."""
+    available = kernels.available_isas()
+    return [
+        pytest.param(name, marks=pytest.mark.skipif(
+            name not in available, reason=f"this CPU lacks {name} (runs {available})"))
+        for name in ALL_ISAS
+    ]
+
+
+@pytest.fixture
+def split_everything():
+    """Makes the pool split even tiny tensor lists over every worker."""
+    _C.set_min_elements_per_worker(1)
+    yield
+    _C.set_min_elements_per_worker(32768)
+
+
+@pytest.fixture(autouse=True)
+def restore_threads_and_isa():
+    threads, isa = kernels.get_num_threads(), kernels.isa()
+    yield
+    kernels.set_num_threads(threads)
+    _C.set_isa(isa)
+
+
+def gen(seed: int) -> torch.Generator:
+    return torch.Generator().manual_seed(seed)

@@ -1,0 +1,283 @@
+# Native kernels: every ISA equals the scalar path bit for bit (sizes, offsets, threads,
+# splits); bf16 outputs equal tensor.to(torch.bfloat16); every invalid input raises a
+# Python exception naming the argument.
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from cpu_offload import _C, kernels
+from conftest import gen, isa_params
+
+SIZES = [0, 1, 15, 16, 17, 31, 33, 4099, 1 << 20]
+HYPER = dict(lr=3e-3, beta1=0.9, beta2=0.95, eps=1e-8, weight_decay=0.1, grad_scale=0.5)
+
+
+def _views(numels, offset, dtype, g, scale=1.0, positive=False):
+    """Tensors that start `offset` elements into a larger buffer (unaligned views)."""
+    out = []
+    for n in numels:
+        base = torch.rand(n + offset, generator=g) if positive else torch.randn(n + offset, generator=g)
+        out.append((base * scale).to(dtype)[offset:])
+    return out
+
+
+def _adamw_state(numels, offset, grad_dtype, seed):
+    g = gen(seed)
+    return dict(
+        params=_views(numels, offset, torch.float32, g),
+        grads=_views(numels, offset, grad_dtype, g),
+        exp_avgs=_views(numels, offset, torch.float32, g, 0.1),
+        exp_avg_sqs=_views(numels, offset, torch.float32, g, 0.01, positive=True),
+        steps=torch.arange(len(numels), dtype=torch.int64) * 3,
+    )
+
+
+def _clone(state):
+    return {k: ([t.clone() for t in v] if isinstance(v, list) else v.clone()) for k, v in state.items()}
+
+
+def _run_adamw(state, out_dtype, isa, threads, steps=2):
+    kernels.set_num_threads(threads)
+    out = None if out_dtype is None else [torch.empty(p.numel(), dtype=out_dtype) for p in state["params"]]
+    with kernels.use_isa(isa):
+        for _ in range(steps):
+            kernels.adamw_step(state["params"], state["grads"], state["exp_avgs"], state["exp_avg_sqs"],
+                               state["steps"], compute_params=out, **HYPER)
+    return out
+
+
+def _assert_same_bits(a, b):
+    for x, y in zip(a, b):
+        assert x.dtype == y.dtype and x.shape == y.shape
+        ints = {torch.float32: torch.int32, torch.bfloat16: torch.int16}[x.dtype]
+        assert torch.equal(x.view(ints), y.view(ints))
+
+
+@pytest.mark.parametrize("isa", isa_params())
+@pytest.mark.parametrize("grad_dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("out_dtype", [None, torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("threads", [1, 2, 3])
+def test_adamw_isa_equals_scalar(isa, grad_dtype, out_dtype, threads, split_everything):
+    for offset in (0, 1, 3):
+        numels = SIZES if offset == 0 else SIZES[:-1]  # the 1M tensor once per case is enough
+        state = _adamw_state(numels, offset, grad_dtype, seed=hash((offset, str(grad_dtype))) % 1000)
+        expected = _clone(state)
+        out_ref = _run_adamw(expected, out_dtype, "scalar", 1)
+        out = _run_adamw(state, out_dtype, isa, threads)
+        for name in ("params", "exp_avgs", "exp_avg_sqs"):
+            _assert_same_bits(state[name], expected[name])
+        assert torch.equal(state["steps"], expected["steps"])
+        if out_dtype is not None:
+            _assert_same_bits(out, out_ref)
+            _assert_same_bits(out, [p.to(out_dtype) for p in state["params"]])
+
+
+@pytest.mark.parametrize("isa", isa_params())
+@pytest.mark.parametrize("grad_dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("threads", [1, 3])
+def test_sign_sgd_and_accumulate_isa_equal_scalar(isa, grad_dtype, threads, split_everything):
+    g = gen(7)
+    params = _views(SIZES, 1, torch.float32, g)
+    grads = _views(SIZES, 1, grad_dtype, g)
+    grads[3][::5] = 0  # sign(0) = 0
+    results = {}
+    for which, n_threads in (("ref", 1), ("isa", threads)):
+        kernels.set_num_threads(n_threads)
+        p = [t.clone() for t in params]
+        out = [torch.empty(t.numel(), dtype=torch.bfloat16) for t in p]
+        acc = [torch.empty(t.numel()) for t in p]
+        with kernels.use_isa("scalar" if which == "ref" else isa):
+            kernels.sign_sgd_step(p, grads, lr=1e-2, weight_decay=0.1, compute_params=out)
+            kernels.accumulate_(acc, grads, add=False)
+            kernels.accumulate_(acc, grads, add=True)
+        results[which] = (p, out, acc)
+    for a, b in zip(results["ref"], results["isa"]):
+        _assert_same_bits(a, b)
+    _assert_same_bits(results["isa"][2], [g.float() + g.float() for g in grads])
+
+
+def _bf16_edge_values():
+    """fp32 values at bf16 rounding ties (both parities), near ties, NaN, inf, denormals, overflow."""
+    hi = torch.randint(0, 1 << 16, (4096,), generator=gen(3), dtype=torch.int64)
+    lows = torch.tensor([0x8000, 0x7FFF, 0x8001, 0x0000, 0xFFFF], dtype=torch.int64)
+    bits = (hi[:, None] << 16 | lows[None, :]).flatten()
+    bits = torch.cat([bits, torch.tensor([0x7F7FFFFF, 0xFF7FFFFF, 0x7F7F8000, 0x00008000, 0x80018000,
+                                          0x00000001, 0x7FC00000, 0xFFC00001, 0x7F800001, 0x7F800000,
+                                          0xFF800000, 0x00000000, 0x80000000], dtype=torch.int64)])
+    bits = torch.where(bits >= 1 << 31, bits - (1 << 32), bits)
+    return bits.to(torch.int32).view(torch.float32)
+
+
+@pytest.mark.parametrize("isa", isa_params())
+def test_bf16_output_rounds_like_torch(isa):
+    values = _bf16_edge_values()
+    for offset in (0, 5):  # vector body and scalar tail see every value
+        p = values[offset:].clone()
+        out = torch.empty(p.numel(), dtype=torch.bfloat16)
+        with kernels.use_isa(isa):  # lr = 0, wd = 0: p is unchanged, so out = bf16(p)
+            kernels.sign_sgd_step([p], [torch.ones_like(p)], lr=0.0, weight_decay=0.0, compute_params=[out])
+        expected = values[offset:].to(torch.bfloat16)
+        nan = torch.isnan(expected)
+        assert torch.equal(torch.isnan(out), nan)
+        assert torch.equal(out[~nan].view(torch.int16), expected[~nan].view(torch.int16))
+        assert torch.equal(out[nan].view(torch.int16), torch.full_like(out[nan].view(torch.int16), 0x7FC0))
+
+
+@pytest.mark.parametrize("isa", isa_params())
+def test_nan_and_inf_propagate_like_reference(isa):
+    from cpu_offload.reference import adamw_reference_
+    g = torch.randn(100, generator=gen(1))
+    g[[3, 40, 77]] = torch.tensor([float("nan"), float("inf"), -float("inf")])
+    p, m, v = torch.randn(100, generator=gen(2)), torch.zeros(100), torch.zeros(100)
+    rp, rm, rv = p.clone(), m.clone(), v.clone()
+    with kernels.use_isa(isa):
+        kernels.adamw_step([p], [g], [m], [v], torch.zeros(1, dtype=torch.int64), lr=1e-3, beta1=0.9,
+                           beta2=0.999, eps=1e-8, weight_decay=0.0)
+    adamw_reference_(rp, g, rm, rv, 1, lr=1e-3, beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=0.0)
+    for a, b in ((p, rp), (m, rm), (v, rv)):
+        torch.testing.assert_close(a, b, rtol=0, atol=0, equal_nan=True)
+    assert torch.isnan(p[[3, 40, 77]]).all()
+
+
+def test_many_tiny_and_one_large_tensor_in_one_call(split_everything):
+    numels = [1] * 50 + [3 << 20] + [2] * 50
+    state = _adamw_state(numels, 0, torch.bfloat16, seed=11)
+    expected = _clone(state)
+    _run_adamw(expected, None, "scalar", 1, steps=1)
+    _run_adamw(state, None, kernels.isa(), 2, steps=1)
+    _assert_same_bits(state["params"], expected["params"])
+
+
+# ---------------------------------------------------------------- validation
+
+def _good(n=3, size=8):
+    return dict(params=[torch.zeros(size) for _ in range(n)], grads=[torch.zeros(size) for _ in range(n)],
+                exp_avgs=[torch.zeros(size) for _ in range(n)], exp_avg_sqs=[torch.zeros(size) for _ in range(n)],
+                steps=torch.zeros(n, dtype=torch.int64))
+
+
+def _call(**changes):
+    args = _good()
+    hyper = dict(lr=1e-3, beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=0.0)
+    for k, v in changes.items():
+        (hyper if k in hyper or k in ("grad_scale", "compute_params") else args)[k] = v
+    kernels.adamw_step(args["params"], args["grads"], args["exp_avgs"], args["exp_avg_sqs"], args["steps"], **hyper)
+
+
+@pytest.mark.parametrize("change, error, words", [
+    (dict(grads=[torch.zeros(8), torch.zeros(8, dtype=torch.float16), torch.zeros(8)]), TypeError, r"grads\[1\].*float16"),
+    (dict(exp_avgs=[torch.zeros(8), torch.zeros(8), torch.zeros(8, dtype=torch.bfloat16)]), TypeError, r"exp_avgs\[2\]"),
+    (dict(grads=[torch.zeros(8), torch.zeros(8, dtype=torch.bfloat16), torch.zeros(8)]), TypeError, r"grads\[1\].*one dtype"),
+    (dict(params=[torch.zeros(8), torch.zeros(8, device="meta"), torch.zeros(8)]), ValueError, r"params\[1\].*meta"),
+    (dict(exp_avg_sqs=[torch.zeros(8), torch.zeros(16)[::2], torch.zeros(8)]), ValueError, r"exp_avg_sqs\[1\].*contiguous"),
+    (dict(grads=[torch.zeros(8), torch.zeros(8), torch.zeros(9)]), ValueError, r"grads\[2\] has 9 elements"),
+    (dict(grads=[torch.zeros(8), torch.zeros(8)]), ValueError, r"grads has 2 tensors, expected 3"),
+    (dict(grads=[torch.zeros(8), "x", torch.zeros(8)]), TypeError, r"grads\[1\] must be a torch.Tensor"),
+    (dict(grads=torch.zeros(8)), TypeError, r"grads must be a list"),
+    (dict(steps=torch.zeros(3)), ValueError, r"steps must be"),
+    (dict(steps=torch.zeros(2, dtype=torch.int64)), ValueError, r"steps has 2 entries"),
+    (dict(steps=[0, 0, 0]), TypeError, r"steps must be a torch.Tensor"),
+    (dict(lr=-1.0), ValueError, r"lr must be >= 0"),
+    (dict(lr=float("nan")), ValueError, r"lr must be finite"),
+    (dict(beta1=1.0), ValueError, r"beta1 must be < 1"),
+    (dict(beta2="0.9"), TypeError, r"beta2 must be a number"),
+    (dict(eps=-1e-8), ValueError, r"eps"),
+    (dict(weight_decay=-0.1), ValueError, r"weight_decay"),
+    (dict(grad_scale=float("inf")), ValueError, r"grad_scale"),
+    (dict(compute_params=[torch.zeros(8), torch.zeros(8), torch.zeros(8, dtype=torch.int32)]), TypeError, r"compute_params\[2\]"),
+])
+def test_adamw_rejects_bad_input(change, error, words):
+    with pytest.raises(error, match=words):
+        _call(**change)
+
+
+def test_overlapping_tensors_are_rejected():
+    buf = torch.zeros(32)
+    args = _good(2)
+    args["exp_avgs"] = [buf[:8], buf[4:12]]   # overlaps itself
+    with pytest.raises(ValueError, match=r"exp_avgs\[0\] and exp_avgs\[1\] overlap"):
+        kernels.adamw_step(**args, lr=1e-3, beta1=0.9, beta2=0.9, eps=1e-8, weight_decay=0.0)
+    args = _good(2)
+    args["grads"] = [args["params"][0], torch.zeros(8)]   # a gradient aliasing a parameter
+    with pytest.raises(ValueError, match=r"overlap"):
+        kernels.adamw_step(**args, lr=1e-3, beta1=0.9, beta2=0.9, eps=1e-8, weight_decay=0.0)
+    out = torch.zeros(8, dtype=torch.bfloat16)
+    with pytest.raises(ValueError, match=r"compute_params\[1\]"):
+        kernels.sign_sgd_step([torch.zeros(8), torch.zeros(8)], [torch.zeros(8), torch.zeros(8)], lr=1.0,
+                              weight_decay=0.0, compute_params=[out, out])
+
+
+def test_sign_sgd_and_accumulate_reject_bad_input():
+    with pytest.raises(TypeError, match=r"grads\[0\].*int64"):
+        kernels.sign_sgd_step([torch.zeros(4)], [torch.zeros(4, dtype=torch.int64)], lr=1.0, weight_decay=0.0)
+    with pytest.raises(ValueError, match=r"weight_decay"):
+        kernels.sign_sgd_step([torch.zeros(4)], [torch.zeros(4)], lr=1.0, weight_decay=-1.0)
+    with pytest.raises(TypeError, match=r"accumulators\[0\].*bfloat16"):
+        kernels.accumulate_([torch.zeros(4, dtype=torch.bfloat16)], [torch.zeros(4)], add=True)
+    with pytest.raises(TypeError, match=r"add must be a bool"):
+        kernels.accumulate_([torch.zeros(4)], [torch.zeros(4)], add=1)
+
+
+def test_threads_and_pinning_settings():
+    with pytest.raises(ValueError, match=r"n must be a positive int"):
+        kernels.set_num_threads(0)
+    with pytest.raises(ValueError, match=r"cpus\[1\]"):
+        kernels.pin_threads([0, -1])
+    kernels.set_num_threads(3)
+    assert kernels.get_num_threads() == 3
+    cpu = sorted(os.sched_getaffinity(0))[0]
+    kernels.pin_threads([cpu])
+    try:
+        assert kernels.get_pinned_cpus() == [cpu]
+        p = [torch.zeros(1 << 20)]
+        kernels.sign_sgd_step(p, [torch.ones(1 << 20)], lr=1.0, weight_decay=0.0)
+        assert torch.equal(p[0], torch.full((1 << 20,), -1.0))
+    finally:
+        kernels.pin_threads(None)
+    assert kernels.get_pinned_cpus() is None
+
+
+def test_cache_entry_dies_with_its_tensors_and_changed_lists_are_revalidated():
+    kernels.clear_cache()
+    args = _good(2)
+    kernels.adamw_step(**args, lr=1e-3, beta1=0.9, beta2=0.9, eps=1e-8, weight_decay=0.0)
+    kernels.adamw_step(**args, lr=1e-3, beta1=0.9, beta2=0.9, eps=1e-8, weight_decay=0.0)
+    assert len(kernels._cache) == 1
+    args["grads"][1] = torch.zeros(8, dtype=torch.float16)   # same list object, new content
+    with pytest.raises(TypeError, match=r"grads\[1\]"):
+        kernels.adamw_step(**args, lr=1e-3, beta1=0.9, beta2=0.9, eps=1e-8, weight_decay=0.0)
+    del args
+    assert len(kernels._cache) == 0
+
+
+def test_isa_override_env(tmp_path):
+    code = "import cpu_offload.kernels as k; print(k.isa())"
+    env = dict(os.environ, CPU_OFFLOAD_ISA="scalar")
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
+    assert out.stdout.strip() == "scalar", out.stderr
+    for bad in ("bogus", "neon"):
+        env["CPU_OFFLOAD_ISA"] = bad
+        out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
+        assert out.returncode != 0 and "CPU_OFFLOAD_ISA" in out.stderr and bad in out.stderr
+    missing = [i for i in _C.known_isas() if i not in kernels.available_isas()]
+    if missing:
+        env["CPU_OFFLOAD_ISA"] = missing[0]
+        out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
+        assert out.returncode != 0 and "not supported by this CPU" in out.stderr
+
+
+def test_pool_works_after_fork():
+    code = (
+        "import os, torch, cpu_offload.kernels as k\n"
+        "k.set_num_threads(2); p=[torch.zeros(1<<20)]; g=[torch.ones(1<<20)]\n"
+        "k.sign_sgd_step(p, g, lr=1.0, weight_decay=0.0)\n"
+        "pid = os.fork()\n"
+        "if pid == 0:\n"
+        "    k.sign_sgd_step(p, g, lr=1.0, weight_decay=0.0); os._exit(0 if p[0][0] == -2 else 3)\n"
+        "_, status = os.waitpid(pid, 0); print(os.waitstatus_to_exitcode(status))\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert out.stdout.strip() == "0", out.stderr
