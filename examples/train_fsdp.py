@@ -1,0 +1,507 @@
+# FSDP2 training example for cpu_offload.
+#
+# Scope: a Llama-style decoder written in plain torch (RMSNorm, causal attention through
+# scaled_dot_product_attention, optional rotary embeddings, SwiGLU MLP, tied or untied
+# head), sharded with fully_shard per block and at the root under a bf16
+# MixedPrecisionPolicy, trained on synthetic tokens generated on the device, with the
+# optimizer wrapped by cpu_offload.offload_optimizer. Cosine LR schedule with warm-up,
+# one log line per step, torch.distributed.checkpoint save/resume.
+#
+# Runs as:
+#   python examples/train_fsdp.py --offload full                       # 1 GPU (or CPU)
+#   torchrun --nproc-per-node 8 examples/train_fsdp.py --offload full  # N GPUs
+#
+# Non-goals: real data loading, tensor/pipeline parallelism, activation checkpointing,
+# torch.compile. benchmarks/e2e.py imports the model, data and step code from here.
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import resource
+import time
+from contextlib import nullcontext
+from dataclasses import asdict, dataclass
+from typing import Iterator, Optional
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+import torch.nn.functional as F
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+import cpu_offload
+
+GIB = float(1 << 30)
+
+
+# --------------------------------------------------------------------------- model
+
+
+@dataclass
+class ModelConfig:
+    vocab_size: int = 32000
+    d_model: int = 2048
+    n_layers: int = 16
+    n_heads: int = 16
+    ffn_dim: int = 5632
+    max_seq_len: int = 2048
+    tie_embeddings: bool = False
+    rope: bool = True
+    rope_base: float = 10000.0
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float = 1e-5):
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.rms_norm(x, (x.shape[-1],), self.weight, self.eps)
+
+
+def rotary_tables(head_dim: int, max_len: int, base: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos/sin of the rotation angles, shape (max_len, head_dim // 2), fp32."""
+    inv_freq = 1.0 / (base ** (torch.arange(0, head_dim, 2, dtype=torch.float32) / head_dim))
+    angles = torch.outer(torch.arange(max_len, dtype=torch.float32), inv_freq)
+    return angles.cos(), angles.sin()
+
+
+def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotate the two halves of the head dimension of x (B, H, T, D); math in fp32."""
+    T = x.shape[-2]
+    x1, x2 = x.float().chunk(2, dim=-1)
+    c, s = cos[:T], sin[:T]
+    return torch.cat((x1 * c - x2 * s, x1 * s + x2 * c), dim=-1).to(x.dtype)
+
+
+class Attention(nn.Module):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        assert cfg.d_model % cfg.n_heads == 0, "d_model must be a multiple of n_heads"
+        self.n_heads = cfg.n_heads
+        self.head_dim = cfg.d_model // cfg.n_heads
+        self.qkv = nn.Linear(cfg.d_model, 3 * cfg.d_model, bias=False)
+        self.proj = nn.Linear(cfg.d_model, cfg.d_model, bias=False)
+        self.rope = cfg.rope
+        if cfg.rope:
+            # NOTE: the tables are buffers of this module, not forward arguments: FSDP2
+            # casts floating-point forward inputs to param_dtype (bf16) but leaves
+            # buffers alone, so the angles keep fp32 precision.
+            cos, sin = rotary_tables(self.head_dim, cfg.max_seq_len, cfg.rope_base)
+            self.register_buffer("rope_cos", cos, persistent=False)
+            self.register_buffer("rope_sin", sin, persistent=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        B, T, C = x.shape
+        q, k, v = self.qkv(x).view(B, T, 3, self.n_heads, self.head_dim).permute(2, 0, 3, 1, 4)
+        if self.rope:
+            q = apply_rotary(q, self.rope_cos, self.rope_sin)
+            k = apply_rotary(k, self.rope_cos, self.rope_sin)
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        return self.proj(y.transpose(1, 2).reshape(B, T, C))
+
+
+class SwiGLU(nn.Module):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.gate = nn.Linear(cfg.d_model, cfg.ffn_dim, bias=False)
+        self.up = nn.Linear(cfg.d_model, cfg.ffn_dim, bias=False)
+        self.down = nn.Linear(cfg.ffn_dim, cfg.d_model, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down(F.silu(self.gate(x)) * self.up(x))
+
+
+class Block(nn.Module):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.attn_norm = RMSNorm(cfg.d_model)
+        self.attn = Attention(cfg)
+        self.mlp_norm = RMSNorm(cfg.d_model)
+        self.mlp = SwiGLU(cfg)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = x + self.attn(self.attn_norm(x))
+        return x + self.mlp(self.mlp_norm(x))
+
+
+class Transformer(nn.Module):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.cfg = cfg
+        self.embed = nn.Embedding(cfg.vocab_size, cfg.d_model)
+        self.blocks = nn.ModuleList(Block(cfg) for _ in range(cfg.n_layers))
+        self.norm = RMSNorm(cfg.d_model)
+        self.head = None if cfg.tie_embeddings else nn.Linear(cfg.d_model, cfg.vocab_size, bias=False)
+        self.reset_parameters()
+
+    @torch.no_grad()
+    def reset_parameters(self, std: float = 0.02) -> None:
+        # GPT-2 style: N(0, std) everywhere, residual output projections scaled down
+        # by sqrt(2 * n_layers) so the residual stream's variance stays bounded.
+        out_std = std / math.sqrt(2 * self.cfg.n_layers)
+        for name, p in self.named_parameters():
+            if p.dim() < 2:
+                continue  # RMSNorm weights stay at 1
+            is_out = name.endswith("attn.proj.weight") or name.endswith("mlp.down.weight")
+            nn.init.normal_(p, 0.0, out_std if is_out else std)
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        x = self.embed(tokens)
+        for block in self.blocks:
+            x = block(x)
+        x = self.norm(x)
+        weight = self.embed.weight if self.head is None else self.head.weight
+        return F.linear(x, weight)
+
+
+def count_parameters(model: nn.Module) -> int:
+    # DTensor.numel() is the global size, so this is the model size on any world size.
+    return sum(p.numel() for p in model.parameters())
+
+
+def build_model(cfg: ModelConfig, device: torch.device, *, fsdp: bool = True,
+                offload_policy=None, seed: int = 0) -> Transformer:
+    """Build the model on `device` and, with fsdp, shard it per block and at the root.
+
+    NOTE: every rank builds the full model from the same seed and fully_shard keeps
+    only its shard, so the initial weights do not depend on the world size. For a
+    model that does not fit one device, build it on the meta device instead, shard,
+    then `to_empty` and initialise.
+    """
+    torch.manual_seed(seed)
+    with torch.device(device):
+        model = Transformer(cfg)
+    if fsdp:
+        mesh = init_device_mesh(device.type, (dist.get_world_size(),))
+        mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+        kw = dict(mesh=mesh, mp_policy=mp)
+        if offload_policy is not None:
+            kw["offload_policy"] = offload_policy
+        for block in model.blocks:
+            fully_shard(block, **kw)
+        fully_shard(model, **kw)
+    return model
+
+
+# ---------------------------------------------------------------- optimizer, LR
+
+
+def param_groups(model: nn.Module, weight_decay: float) -> list[dict]:
+    """Weight decay on matrices and embeddings only, none on norm weights."""
+    decay = [p for p in model.parameters() if p.requires_grad and p.dim() >= 2]
+    no_decay = [p for p in model.parameters() if p.requires_grad and p.dim() < 2]
+    return [{"params": decay, "weight_decay": weight_decay},
+            {"params": no_decay, "weight_decay": 0.0}]
+
+
+def build_optimizer(model: nn.Module, *, name: str, lr: float, weight_decay: float,
+                    offload: str, grad_accum: int):
+    groups = param_groups(model, weight_decay)
+    if name == "adamw":
+        opt = torch.optim.AdamW(groups, lr=lr, betas=(0.9, 0.95), eps=1e-8)
+    elif name == "sign_sgd":
+        opt = cpu_offload.SignSGD(groups, lr=lr)
+    else:
+        raise ValueError(f"unknown optimizer {name!r}: expected 'adamw' or 'sign_sgd'")
+    # NOTE: offload="none" keeps the plain torch optimizer, so the baseline touches no
+    # cpu_offload code (offload_optimizer would return it unchanged anyway).
+    if offload != "none":
+        opt = cpu_offload.offload_optimizer(opt, offload=offload, grad_accum_steps=grad_accum)
+    return opt
+
+
+def lr_factor(step: int, *, warmup: int, total: int, min_ratio: float) -> float:
+    """Linear warm-up to 1, then cosine decay to min_ratio at `total` steps."""
+    if step < warmup:
+        return (step + 1) / warmup
+    progress = min(1.0, (step - warmup) / max(1, total - warmup))
+    return min_ratio + (1.0 - min_ratio) * 0.5 * (1.0 + math.cos(math.pi * progress))
+
+
+def make_scheduler(opt, *, lr: float, warmup: int, total: int, min_ratio: float,
+                   start_step: int = 0) -> torch.optim.lr_scheduler.LambdaLR:
+    # NOTE: the schedule is a pure function of the absolute step, so a resumed run
+    # reproduces the uninterrupted run's LR exactly; the base LR comes from the flag,
+    # not from whatever lr the loaded optimizer state carries.
+    for group in opt.param_groups:
+        group["lr"] = lr
+        group["initial_lr"] = lr
+    return torch.optim.lr_scheduler.LambdaLR(
+        opt, lambda i: lr_factor(i + start_step, warmup=warmup, total=total, min_ratio=min_ratio))
+
+
+# ------------------------------------------------------------------------- data
+
+
+def synthetic_batch(step: int, micro: int, *, rank: int, world: int, batch_size: int,
+                    seq_len: int, vocab_size: int, seed: int, device: torch.device):
+    """Inputs and targets (batch_size, seq_len) for this rank, generated on `device`.
+
+    Each row is an arithmetic progression modulo the vocabulary (random start and
+    stride) with 10% of tokens replaced at random: learnable from context, so the loss
+    falls. NOTE: the global batch is drawn from a seed of (seed, step, micro) and each
+    rank takes its rows, so N ranks × B rows see the same samples as 1 rank × N·B rows
+    and a resumed run sees the same batches as an uninterrupted one.
+    """
+    g = torch.Generator(device=device)
+    g.manual_seed(((seed * 1_000_003 + step) * 1_009 + micro) & 0x7FFF_FFFF_FFFF_FFFF)
+    n, L = world * batch_size, seq_len + 1
+    start = torch.randint(0, vocab_size, (n, 1), generator=g, device=device)
+    stride = torch.randint(1, vocab_size, (n, 1), generator=g, device=device)
+    seq = (start + stride * torch.arange(L, device=device)) % vocab_size
+    noise = torch.randint(0, vocab_size, (n, L), generator=g, device=device)
+    replace = torch.rand((n, L), generator=g, device=device) < 0.1
+    seq = torch.where(replace, noise, seq)[rank * batch_size:(rank + 1) * batch_size]
+    return seq[:, :-1], seq[:, 1:]
+
+
+# ----------------------------------------------------------------- training loop
+
+
+@dataclass
+class StepSettings:
+    batch_size: int
+    seq_len: int
+    grad_accum: int
+    vocab_size: int
+    seed: int
+    amp_dtype: Optional[torch.dtype] = None  # autocast for an unsharded (plain) model
+
+
+def _peak_memory_gib(device: torch.device) -> Optional[float]:
+    if device.type == "cuda":
+        return torch.cuda.max_memory_allocated(device) / GIB
+    return None
+
+
+def _offload_stats(opt) -> Optional[dict]:
+    stats = getattr(opt, "stats", None)
+    return dict(stats()) if callable(stats) else None
+
+
+def run_steps(model, opt, sched, s: StepSettings, *, first_step: int, last_step: int,
+              device: torch.device) -> Iterator[dict]:
+    """Train steps [first_step, last_step) and yield one record per step."""
+    rank, world = dist.get_rank(), dist.get_world_size()
+    tokens_per_step = world * s.batch_size * s.seq_len * s.grad_accum
+    amp = (torch.autocast(device.type, dtype=s.amp_dtype) if s.amp_dtype else nullcontext())
+    for step in range(first_step, last_step):
+        if device.type == "cuda":
+            torch.cuda.reset_peak_memory_stats(device)
+        t0 = time.perf_counter()
+        loss_sum = torch.zeros((), device=device)
+        for micro in range(s.grad_accum):
+            inputs, targets = synthetic_batch(
+                step, micro, rank=rank, world=world, batch_size=s.batch_size,
+                seq_len=s.seq_len, vocab_size=s.vocab_size, seed=s.seed, device=device)
+            with amp:
+                logits = model(inputs)
+            loss = F.cross_entropy(logits.float().flatten(0, 1), targets.flatten())
+            # NOTE: gradients are reduce-scattered after every micro-batch (no
+            # set_requires_gradient_sync(False)): with offload="full" each gradient
+            # is streamed to the host and freed as soon as it is reduced.
+            (loss / s.grad_accum).backward()
+            loss_sum += loss.detach()
+        lr = opt.param_groups[0]["lr"]
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        sched.step()
+        dist.all_reduce(loss_sum)  # SUM: gloo has no AVG
+        loss_value = loss_sum.item() / (s.grad_accum * world)  # .item() waits for the step
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        dt = time.perf_counter() - t0
+        yield {
+            "step": step + 1,
+            "loss": loss_value,
+            "lr": float(lr),
+            "step_time_s": dt,
+            "tokens_per_step": tokens_per_step,
+            "tokens_per_s": tokens_per_step / dt,
+            "peak_gpu_gib": _peak_memory_gib(device),
+            "offload": _offload_stats(opt),
+        }
+
+
+# --------------------------------------------------------------------- logging
+
+
+def _fmt_stat(key: str, value) -> str:
+    if isinstance(value, (int, float)) and "bytes" in key:
+        return f"{key}={value / GIB:.3f}GiB" if value >= (1 << 26) else f"{key}={value / (1 << 20):.1f}MiB"
+    if isinstance(value, float):
+        return f"{key}={value:.4f}"
+    return f"{key}={value}"
+
+
+def format_step(rec: dict, total_steps: int) -> str:
+    parts = [f"step {rec['step']}/{total_steps}", f"loss {rec['loss']:.4f}",
+             f"lr {rec['lr']:.2e}", f"{rec['step_time_s']:.3f}s",
+             f"{rec['tokens_per_s']:,.0f} tok/s"]
+    if rec["peak_gpu_gib"] is not None:
+        parts.append(f"peak_gpu {rec['peak_gpu_gib']:.2f}GiB")
+    else:  # CPU run: the process's peak resident set (ru_maxrss is in KiB on Linux)
+        parts.append(f"peak_rss {resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / (1 << 20):.2f}GiB")
+    line = " | ".join(parts)
+    if rec["offload"]:
+        line += " | " + " ".join(_fmt_stat(k, v) for k, v in rec["offload"].items())
+    return line
+
+
+# ------------------------------------------------------------------ checkpoints
+
+
+def _step_dir(root: str, step: int) -> str:
+    return os.path.join(root, f"step_{step:06d}")
+
+
+def resolve_checkpoint(path: str) -> str:
+    """A step_NNNNNN directory as given, or the latest one under a --save root."""
+    steps = sorted(d for d in os.listdir(path) if d.startswith("step_")) if os.path.isdir(path) else []
+    return os.path.join(path, steps[-1]) if steps else path
+
+
+def _checkpoint_state(model, opt, step: int) -> dict:
+    from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_optimizer_state_dict
+    # NOTE: with offload="full" the model state holds the bf16 compute copy and the
+    # optimizer state the fp32 masters (host-shard DTensors), so a checkpoint is
+    # resumed with the same --offload mode it was saved with.
+    return {"model": get_model_state_dict(model),
+            "optim": get_optimizer_state_dict(model, opt),
+            "train": {"step": torch.tensor(step)}}
+
+
+def save_checkpoint(root: str, model, opt, step: int) -> str:
+    import torch.distributed.checkpoint as dcp
+    path = _step_dir(root, step)
+    dcp.save(_checkpoint_state(model, opt, step), checkpoint_id=path)
+    return path
+
+
+def load_checkpoint(path: str, model, opt) -> int:
+    """Load model and optimizer state in place; return the step the checkpoint was taken at."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import set_model_state_dict, set_optimizer_state_dict
+    state = _checkpoint_state(model, opt, 0)
+    dcp.load(state, checkpoint_id=path)
+    # The model first: with offload="full" loading the optimizer refreshes the
+    # compute copy from the fp32 masters.
+    set_model_state_dict(model, state["model"])
+    set_optimizer_state_dict(model, opt, state["optim"])
+    return int(state["train"]["step"])
+
+
+# ------------------------------------------------------------------ distributed
+
+
+def pick_device(name: str) -> torch.device:
+    if name == "auto":
+        name = "cuda" if torch.cuda.is_available() else "cpu"
+    if name == "cuda":
+        local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+        torch.cuda.set_device(local_rank)
+        return torch.device("cuda", local_rank)
+    return torch.device("cpu")
+
+
+def init_distributed(device: torch.device, **kwargs) -> None:
+    """torchrun's env:// group when launched by torchrun, else a 1-rank group of our own."""
+    if dist.is_initialized():
+        return
+    backend = "nccl" if device.type == "cuda" else "gloo"
+    if "RANK" in os.environ and "WORLD_SIZE" in os.environ:
+        dist.init_process_group(backend, **kwargs)
+    else:
+        dist.init_process_group(backend, rank=0, world_size=1, store=dist.HashStore(), **kwargs)
+
+
+# ------------------------------------------------------------------------- main
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__ or "FSDP2 + cpu_offload training example")
+    p.add_argument("--offload", choices=["none", "optimizer", "full"], default="full")
+    p.add_argument("--optimizer", choices=["adamw", "sign_sgd"], default="adamw")
+    p.add_argument("--steps", type=int, default=20, help="total optimizer steps")
+    p.add_argument("--batch-size", type=int, default=4, help="sequences per rank per micro-batch")
+    p.add_argument("--seq-len", type=int, default=2048)
+    p.add_argument("--grad-accum", type=int, default=1, help="micro-batches per optimizer step")
+    p.add_argument("--lr", type=float, default=3e-4)
+    p.add_argument("--min-lr-ratio", type=float, default=0.1)
+    p.add_argument("--warmup-steps", type=int, default=10)
+    p.add_argument("--weight-decay", type=float, default=0.1)
+    p.add_argument("--vocab-size", type=int, default=32000)
+    p.add_argument("--d-model", type=int, default=2048)
+    p.add_argument("--n-layers", type=int, default=16)
+    p.add_argument("--n-heads", type=int, default=16)
+    p.add_argument("--ffn-dim", type=int, default=5632)
+    p.add_argument("--tie-embeddings", action="store_true")
+    p.add_argument("--no-rope", action="store_true")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--device", choices=["auto", "cuda", "cpu"], default="auto")
+    p.add_argument("--save", metavar="DIR", help="save DIR/step_NNNNNN at the end (and every --save-every steps)")
+    p.add_argument("--save-every", type=int, default=0)
+    p.add_argument("--resume", metavar="DIR", help="a step_NNNNNN checkpoint, or a --save DIR (latest step)")
+    p.add_argument("--metrics", metavar="PATH", help="write one JSON line per step (rank 0)")
+    return p.parse_args(argv)
+
+
+def model_config(args: argparse.Namespace) -> ModelConfig:
+    return ModelConfig(vocab_size=args.vocab_size, d_model=args.d_model, n_layers=args.n_layers,
+                       n_heads=args.n_heads, ffn_dim=args.ffn_dim, max_seq_len=args.seq_len,
+                       tie_embeddings=args.tie_embeddings, rope=not args.no_rope)
+
+
+def main(argv=None) -> list[dict]:
+    """Train as the flags say; return the step records. A process group that exists
+    already (a caller's, e.g. a test driver's) is used and left open."""
+    args = parse_args(argv)
+    device = pick_device(args.device)
+    owns_group = not dist.is_initialized()
+    init_distributed(device)
+    rank, world = dist.get_rank(), dist.get_world_size()
+    cfg = model_config(args)
+    model = build_model(cfg, device, seed=args.seed)
+    opt = build_optimizer(model, name=args.optimizer, lr=args.lr, weight_decay=args.weight_decay,
+                          offload=args.offload, grad_accum=args.grad_accum)
+    start = load_checkpoint(resolve_checkpoint(args.resume), model, opt) if args.resume else 0
+    sched = make_scheduler(opt, lr=args.lr, warmup=min(args.warmup_steps, args.steps),
+                           total=args.steps, min_ratio=args.min_lr_ratio, start_step=start)
+    if rank == 0:
+        print(f"model {count_parameters(model) / 1e6:.1f}M params {asdict(cfg)} | world {world} "
+              f"device {device.type} | offload {args.offload} optimizer {args.optimizer} | "
+              f"steps {start}->{args.steps}", flush=True)
+    settings = StepSettings(batch_size=args.batch_size, seq_len=args.seq_len,
+                            grad_accum=args.grad_accum, vocab_size=args.vocab_size, seed=args.seed)
+    metrics = open(args.metrics, "a") if (args.metrics and rank == 0) else None
+    records = []
+    for rec in run_steps(model, opt, sched, settings, first_step=start, last_step=args.steps, device=device):
+        records.append(rec)
+        if rank == 0:
+            print(format_step(rec, args.steps), flush=True)
+            if metrics:
+                metrics.write(json.dumps(rec) + "\n")
+                metrics.flush()
+        if args.save and args.save_every and rec["step"] % args.save_every == 0 and rec["step"] < args.steps:
+            save_checkpoint(args.save, model, opt, rec["step"])
+    if args.save:
+        path = save_checkpoint(args.save, model, opt, max(start, args.steps))
+        if rank == 0:
+            print(f"saved {path}", flush=True)
+    if metrics:
+        metrics.close()
+    if hasattr(opt, "close"):
+        opt.close()
+    if owns_group:
+        dist.destroy_process_group()
+    return records
+
+
+if __name__ == "__main__":
+    main()
