@@ -38,8 +38,11 @@ def adamw_reference_(param, grad, exp_avg, exp_avg_sq, step, *, lr, beta1, beta2
     p = param * _f32(1.0 - lr * weight_decay, param)                       # decoupled weight decay
     m = exp_avg * _f32(beta1, param) + g * _f32(1.0 - beta1, param)        # m = b1*m + (1-b1)*g
     v = exp_avg_sq * _f32(beta2, param) + (g * _f32(1.0 - beta2, param)) * g   # v = b2*v + (1-b2)*g^2
-    denom = _sqrt_f32(v) / _f32(math.sqrt(bias_correction2), param) + _f32(eps, param)
-    p = p + (_f32(-(lr / bias_correction1), param) * m) / denom           # p - lr * m_hat / (sqrt(v_hat) + eps)
+    # lr * m_hat / (sqrt(v_hat) + eps) with the bias corrections folded into two constants:
+    # (lr * sqrt(bc2) / bc1) * m / (sqrt(v) + eps * sqrt(bc2))
+    bc2_sqrt = math.sqrt(bias_correction2)
+    denom = _sqrt_f32(v) + _f32(eps * bc2_sqrt, param)
+    p = p + (_f32(-(lr * bc2_sqrt / bias_correction1), param) * m) / denom
     param.copy_(p)
     exp_avg.copy_(m)
     exp_avg_sq.copy_(v)

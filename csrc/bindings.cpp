@@ -37,11 +37,11 @@ void adamw(const TensorBatch& b, int grad_dtype, int out_kind, uintptr_t steps_p
     const double step = static_cast<double>(++steps[t]);
     const double bc1 = 1.0 - std::pow(beta1, step);  // bias corrections, once per tensor, in double
     const double bc2 = 1.0 - std::pow(beta2, step);
+    const double bc2_sqrt = std::sqrt(bc2);
     scalars[t] = {static_cast<float>(grad_scale),        static_cast<float>(1.0 - lr * weight_decay),
                   static_cast<float>(beta1),             static_cast<float>(1.0 - beta1),
                   static_cast<float>(beta2),             static_cast<float>(1.0 - beta2),
-                  static_cast<float>(eps),               static_cast<float>(-(lr / bc1)),
-                  static_cast<float>(std::sqrt(bc2))};
+                  static_cast<float>(eps * bc2_sqrt),    static_cast<float>(-(lr * bc2_sqrt / bc1))};
   }
   const KernelTable& k = active_kernels();
   const auto gd = static_cast<DType>(grad_dtype);

@@ -12,15 +12,17 @@ enum class OutKind : int { none = 0, f32 = 1, bf16 = 2 };
 
 // AdamW, decoupled weight decay (torch.optim.AdamW), as float32 constants:
 //   p <- p * decay;  m <- beta1*m + (1-beta1)*g;  v <- beta2*v + ((1-beta2)*g)*g
-//   p <- p + (neg_step_size * m) / (sqrt(v) / bc2_sqrt + eps)
+//   p <- p + (neg_step_size * m) / (sqrt(v) + eps_hat)
+// with the bias corrections folded into the constants (Kingma & Ba, sec. 2):
+//   lr/bc1 * m / (sqrt(v)/sqrt(bc2) + eps) == (lr*sqrt(bc2)/bc1) * m / (sqrt(v) + eps*sqrt(bc2))
+// which saves one division per element.
 struct AdamWScalars {
   float grad_scale;
   float decay;            // 1 - lr*wd
   float beta1, one_minus_beta1;
   float beta2, one_minus_beta2;
-  float eps;
-  float neg_step_size;    // -lr / (1 - beta1^step)
-  float bc2_sqrt;         // sqrt(1 - beta2^step)
+  float eps_hat;          // eps * sqrt(1 - beta2^step)
+  float neg_step_size;    // -lr * sqrt(1 - beta2^step) / (1 - beta1^step)
 };
 
 // SignSGD: p <- p * decay; p <- p - lr * sign(g), sign(0) = 0.

@@ -35,8 +35,8 @@ inline void adamw_at(const AdamWScalars& s, float* param, const void* grad, floa
                V::mul(g, V::set1(s.one_minus_beta1)));                       // m = b1*m + (1-b1)*g
   F v = V::add(V::mul(V::load(exp_avg_sq + i), V::set1(s.beta2)),
                V::mul(V::mul(g, V::set1(s.one_minus_beta2)), g));            // v = b2*v + (1-b2)*g*g
-  F denom = V::add(V::div(V::sqrt(v), V::set1(s.bc2_sqrt)), V::set1(s.eps)); // sqrt(v_hat) + eps, scaled
-  p = V::add(p, V::div(V::mul(V::set1(s.neg_step_size), m), denom));         // p - lr * m_hat / denom
+  F denom = V::add(V::sqrt(v), V::set1(s.eps_hat));                          // sqrt(v) + eps_hat
+  p = V::add(p, V::div(V::mul(V::set1(s.neg_step_size), m), denom));         // p - step_size * m / denom
   V::store(param + i, p);
   V::store(exp_avg + i, m);
   V::store(exp_avg_sq + i, v);

@@ -1,0 +1,205 @@
+"""Micro-benchmark CLI for the native kernels: ``python -m cpu_offload.bench``.
+
+First checks each kernel of each ISA against the pure-torch reference (bit for bit), then
+times every (ISA, configuration) on the same tensors, next to torch's fused CPU AdamW (and
+DeepSpeed's CPU Adam when importable), and reports each figure as a share of a memory
+bandwidth probe measured in the same run. Non-goal: GPU timing (benchmarks/e2e.py).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import statistics
+import sys
+import time
+
+import torch
+
+from cpu_offload import kernels
+from cpu_offload.reference import adamw_reference_, sign_sgd_reference_
+
+__all__ = ["main"]
+
+HYPER = dict(lr=1e-3, beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=0.01)
+# Minimal bytes moved per element (reads + writes).
+CONFIGS = {
+    "adamw fp32 grads": 28,         # p rw 8, g 4, m rw 8, v rw 8
+    "adamw bf16 grads->bf16": 28,   # p rw 8, g 2, m rw 8, v rw 8, out 2
+    "sign_sgd bf16->bf16": 12,      # p rw 8, g 2, out 2
+}
+
+
+def _progress(msg: str) -> None:
+    print(msg, file=sys.stderr, flush=True)
+
+
+def _median_seconds(fn, repeats: int) -> float:
+    fn()  # warm-up: page faults, thread start
+    times = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times)
+
+
+def measure_bandwidth(numel: int, repeats: int) -> float:
+    """GB/s of a read-modify-write stream (x <- x*1) over ``numel`` floats, pool threads."""
+    x = torch.ones(numel)
+    seconds = _median_seconds(lambda: kernels.scale_stream_(x, 1.0), repeats)
+    return 8 * numel / seconds / 1e9
+
+
+def check_against_reference(isa: str) -> None:
+    """Raises AssertionError if a kernel of ``isa`` differs from the reference."""
+    g = torch.Generator().manual_seed(0)
+    n = 4099
+    p, m, v = torch.randn(n, generator=g), torch.zeros(n), torch.zeros(n)
+    grad = torch.randn(n, generator=g).bfloat16()
+    rp, rm, rv = p.clone(), m.clone(), v.clone()
+    out = torch.empty(n, dtype=torch.bfloat16)
+    with kernels.use_isa(isa):
+        kernels.adamw_step([p], [grad], [m], [v], torch.zeros(1, dtype=torch.int64), compute_params=[out], **HYPER)
+    adamw_reference_(rp, grad, rm, rv, 1, **HYPER)
+    ok = torch.equal(p, rp) and torch.equal(m, rm) and torch.equal(v, rv) and torch.equal(out, rp.bfloat16())
+    sp, rsp = p.clone(), p.clone()
+    with kernels.use_isa(isa):
+        kernels.sign_sgd_step([sp], [grad], lr=1e-2, weight_decay=0.1)
+    sign_sgd_reference_(rsp, grad, lr=1e-2, weight_decay=0.1)
+    if not (ok and torch.equal(sp, rsp)):
+        raise AssertionError(f"{isa} kernels differ from cpu_offload.reference")
+
+
+class Workload:
+    """The tensors every configuration and every reference runs on."""
+
+    def __init__(self, numel: int, tensors: int):
+        sizes = [numel // tensors + (1 if i < numel % tensors else 0) for i in range(tensors)]
+        g = torch.Generator().manual_seed(1)
+        self.params = [torch.randn(s, generator=g) for s in sizes]
+        self.grads = [torch.randn(s, generator=g) * 1e-2 for s in sizes]
+        self.grads_bf16 = [t.bfloat16() for t in self.grads]
+        self.exp_avgs = [torch.zeros(s) for s in sizes]
+        self.exp_avg_sqs = [torch.zeros(s) for s in sizes]
+        self.out_bf16 = [torch.empty(s, dtype=torch.bfloat16) for s in sizes]
+        self.steps = torch.zeros(tensors, dtype=torch.int64)
+        self.numel = numel
+
+    def run(self, config: str) -> None:
+        if config == "adamw fp32 grads":
+            kernels.adamw_step(self.params, self.grads, self.exp_avgs, self.exp_avg_sqs, self.steps, **HYPER)
+        elif config == "adamw bf16 grads->bf16":
+            kernels.adamw_step(self.params, self.grads_bf16, self.exp_avgs, self.exp_avg_sqs, self.steps,
+                               compute_params=self.out_bf16, **HYPER)
+        else:
+            kernels.sign_sgd_step(self.params, self.grads_bf16, lr=HYPER["lr"], weight_decay=HYPER["weight_decay"],
+                                  compute_params=self.out_bf16)
+
+    def torch_fused_adamw(self):
+        """torch's fused CPU AdamW kernel on the same fp32 tensors (the op torch.optim.AdamW(fused=True) calls)."""
+        steps = [torch.zeros((), dtype=torch.float32) for _ in self.params]
+        return lambda: torch._fused_adamw_(
+            self.params, self.grads, self.exp_avgs, self.exp_avg_sqs, [], steps, lr=HYPER["lr"],
+            beta1=HYPER["beta1"], beta2=HYPER["beta2"], weight_decay=HYPER["weight_decay"], eps=HYPER["eps"],
+            amsgrad=False, maximize=False)
+
+    def deepspeed_cpu_adam(self):
+        """DeepSpeed's CPU Adam on the same fp32 tensors, or None when it cannot be loaded."""
+        try:
+            from deepspeed.ops.adam import DeepSpeedCPUAdam
+            params = [torch.nn.Parameter(p) for p in self.params]
+            for p, g in zip(params, self.grads):
+                p.grad = g
+            opt = DeepSpeedCPUAdam(params, lr=HYPER["lr"], betas=(HYPER["beta1"], HYPER["beta2"]), eps=HYPER["eps"],
+                                   weight_decay=HYPER["weight_decay"], adamw_mode=True)
+            opt.step()
+            return opt.step
+        except Exception as e:  # not installed, or its just-in-time build failed
+            _progress(f"DeepSpeed CPU Adam unavailable: {type(e).__name__}: {str(e)[:120]}")
+            return None
+
+
+def _row(name, isa, seconds, bytes_per_elem, numel, probe_gbs, torch_seconds):
+    gbs = bytes_per_elem * numel / seconds / 1e9
+    return dict(isa=isa, config=name, ms=seconds * 1e3, gb_s=gbs, gelem_s=numel / seconds / 1e9,
+                probe_share=gbs / probe_gbs, vs_torch_fused=torch_seconds / seconds)
+
+
+def format_table(rows) -> str:
+    head = f"{'isa':<12} {'configuration':<26} {'ms':>9} {'GB/s':>7} {'Gelem/s':>8} {'of probe':>9} {'x torch fused':>14}"
+    lines = [head, "-" * len(head)]
+    for r in rows:
+        lines.append(f"{r['isa']:<12} {r['config']:<26} {r['ms']:>9.2f} {r['gb_s']:>7.1f} {r['gelem_s']:>8.3f} "
+                     f"{r['probe_share']:>8.0%} {r['vs_torch_fused']:>13.2f}x")
+    return "\n".join(lines)
+
+
+def _parse(argv):
+    ap = argparse.ArgumentParser(prog="python -m cpu_offload.bench", description=__doc__.split("\n\n")[0])
+    ap.add_argument("--numel", type=int, default=32 << 20, help="elements per configuration (default 32M)")
+    ap.add_argument("--tensors", type=int, default=1, help="split the elements over this many tensors")
+    ap.add_argument("--threads", type=int, default=None, help="native worker threads (default: affinity mask)")
+    ap.add_argument("--isa", action="append", choices=kernels._C.known_isas(),
+                    help="time only this ISA (repeatable; default: every available one)")
+    ap.add_argument("--repeats", type=int, default=7, help="timed repetitions; the median is reported")
+    ap.add_argument("--json", metavar="PATH", help="also write the results as JSON")
+    args = ap.parse_args(argv)
+    if args.numel < 1 or args.tensors < 1 or args.tensors > args.numel:
+        ap.error("--numel and --tensors must be >= 1, with --tensors <= --numel")
+    if args.repeats < 1:
+        ap.error("--repeats must be >= 1")
+    return args
+
+
+def main(argv=None) -> int:
+    args = _parse(argv)
+    if args.threads is not None:
+        kernels.set_num_threads(args.threads)
+    torch.set_num_threads(kernels.get_num_threads())
+    isas = args.isa or kernels.available_isas()
+    missing = [i for i in isas if i not in kernels.available_isas()]
+    if missing:
+        print(f"this CPU cannot run {missing}; it runs {kernels.available_isas()}", file=sys.stderr)
+        return 2
+    for isa in isas:
+        _progress(f"checking {isa} kernels against the reference")
+        check_against_reference(isa)
+
+    _progress(f"allocating {args.numel:,} elements in {args.tensors:,} tensors")
+    work = Workload(args.numel, args.tensors)
+    probe_gbs = measure_bandwidth(max(args.numel, 16 << 20), args.repeats)
+    _progress(f"bandwidth probe: {probe_gbs:.1f} GB/s")
+    torch_seconds = _median_seconds(work.torch_fused_adamw(), args.repeats)
+    rows = [_row("torch fused AdamW fp32", "torch", torch_seconds, 28, args.numel, probe_gbs, torch_seconds)]
+    ds_step = work.deepspeed_cpu_adam()
+    if ds_step is not None:
+        rows.append(_row("DeepSpeed CPU Adam fp32", "deepspeed", _median_seconds(ds_step, args.repeats), 28,
+                         args.numel, probe_gbs, torch_seconds))
+    total = len(isas) * len(CONFIGS)
+    for i, (isa, config) in enumerate(((a, c) for a in isas for c in CONFIGS), 1):
+        _progress(f"[{i}/{total}] {isa}: {config}")
+        with kernels.use_isa(isa):
+            seconds = _median_seconds(lambda: work.run(config), args.repeats)
+        rows.append(_row(config, isa, seconds, CONFIGS[config], args.numel, probe_gbs, torch_seconds))
+
+    cpu = platform.processor() or platform.machine()
+    try:
+        with open("/proc/cpuinfo") as f:
+            cpu = next(l.split(":", 1)[1].strip() for l in f if l.startswith("model name"))
+    except (OSError, StopIteration):
+        pass
+    meta = dict(cpu=cpu, threads=kernels.get_num_threads(), numel=args.numel, tensors=args.tensors,
+                torch=torch.__version__, probe_gb_s=probe_gbs, date=time.strftime("%Y-%m-%d"))
+    print(f"{cpu}, {meta['threads']} threads, {args.numel:,} elements in {args.tensors:,} tensors, "
+          f"torch {torch.__version__}, probe {probe_gbs:.1f} GB/s")
+    print(format_table(rows))
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(dict(meta=meta, rows=rows), f, indent=2)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
