@@ -1,0 +1,191 @@
+# Host-side optimizer state for full offload: one record per trainable
+# parameter, the flat fp32 host buffers (masters, moments, accumulators), the
+# host RAM check, and the in-place cast of the model's parameters to their
+# compute dtype.
+#
+# Scope: construction-time bookkeeping shared by full_offload.py, pipeline.py
+# and checkpoint.py.
+# Non-goals: anything that runs per step (pipeline.py), checkpoint formats
+# (checkpoint.py).
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Iterable, Optional
+
+import psutil
+import torch
+
+__all__ = ["ParamRecord", "HostBuffers", "collect_records", "allocate_host_state", "cast_to_compute", "local_of"]
+
+# Elements per 64-byte line of fp32: every per-parameter view starts aligned.
+_ALIGN_ELEMS = 16
+
+
+def _is_dtensor(t: torch.Tensor) -> bool:
+    try:
+        from torch.distributed.tensor import DTensor
+    except ImportError:  # pragma: no cover - torch built without distributed
+        return False
+    return isinstance(t, DTensor)
+
+
+def local_of(t: torch.Tensor) -> torch.Tensor:
+    """The local shard of an FSDP2 DTensor, or the tensor itself."""
+    if _is_dtensor(t):
+        with torch.no_grad():
+            return t.to_local()
+    return t
+
+
+@dataclass(eq=False)
+class ParamRecord:
+    """Everything full offload keeps about one trainable parameter.
+
+    ``index`` is the parameter's position in the wrapped optimizer's
+    ``state_dict`` numbering (all groups, in order), so checkpoints are keyed
+    like the wrapped optimizer's.
+    """
+
+    index: int
+    group: int
+    name: str
+    param: torch.nn.Parameter
+    numel: int
+    shape: torch.Size
+    is_dtensor: bool
+    master: Optional[torch.Tensor] = None  # fp32 flat host view
+    exp_avg: Optional[torch.Tensor] = None  # m, fp32 flat host view (AdamW)
+    exp_avg_sq: Optional[torch.Tensor] = None  # v, fp32 flat host view (AdamW)
+    accum: Optional[torch.Tensor] = None  # fp32 flat host view (grad_accum_steps > 1)
+    step: int = 0  # completed optimizer steps for this parameter
+    # Per accumulation window (reset by step()):
+    has_accum: bool = False  # ``accum`` holds the sum of this window's grads so far
+    arrived: int = -1  # micro-batch index of the last gradient seen
+    in_step: bool = False  # received a gradient in this window -> step += 1
+    hook: object = field(default=None, repr=False)
+
+    def local(self) -> torch.Tensor:
+        """The device tensor holding the compute copy (looked up each time: FSDP2
+        may replace the local tensor object when it re-pads)."""
+        return local_of(self.param)
+
+
+def collect_records(optimizer: torch.optim.Optimizer) -> tuple[list[ParamRecord], list[torch.nn.Parameter]]:
+    """Records for trainable parameters, plus the frozen ones (left untouched)."""
+    records: list[ParamRecord] = []
+    frozen: list[torch.nn.Parameter] = []
+    seen: set[int] = set()
+    index = 0
+    for g, group in enumerate(optimizer.param_groups):
+        names = group.get("param_names")
+        for i, p in enumerate(group["params"]):
+            if id(p) in seen:
+                raise ValueError(f"parameter param_groups[{g}]['params'][{i}] appears twice in the optimizer")
+            seen.add(id(p))
+            name = names[i] if names is not None else f"param_groups[{g}][{i}]"
+            if not p.requires_grad:
+                frozen.append(p)
+                index += 1
+                continue
+            if not p.is_floating_point():
+                raise TypeError(f"parameter {name} has dtype {p.dtype}; full offload needs floating-point parameters")
+            loc = local_of(p)
+            if not loc.is_contiguous():
+                raise ValueError(f"parameter {name} is not contiguous; full offload copies whole parameters as flat ranges")
+            records.append(
+                ParamRecord(index, g, name, p, loc.numel(), loc.shape, _is_dtensor(p))
+            )
+            index += 1
+    if not records:
+        raise ValueError("optimizer has no trainable parameters (requires_grad=True) to offload")
+    devices = {r.local().device for r in records}
+    if len(devices) != 1:
+        raise ValueError(f"full offload needs all trainable parameters on one device, got {sorted(map(str, devices))}")
+    return records, frozen
+
+
+@dataclass(eq=False)
+class HostBuffers:
+    master: torch.Tensor
+    exp_avg: Optional[torch.Tensor]
+    exp_avg_sq: Optional[torch.Tensor]
+    accum: Optional[torch.Tensor]
+
+    @property
+    def nbytes(self) -> int:
+        bufs = [self.master, self.exp_avg, self.exp_avg_sq, self.accum]
+        return sum(b.numel() * b.element_size() for b in bufs if b is not None)
+
+
+def _padded(n: int) -> int:
+    return (n + _ALIGN_ELEMS - 1) // _ALIGN_ELEMS * _ALIGN_ELEMS
+
+
+def host_bytes_needed(records: list[ParamRecord], *, moments: bool, accumulate: bool) -> int:
+    total = sum(_padded(r.numel) for r in records)
+    per_elem = 4 * (1 + (2 if moments else 0) + (1 if accumulate else 0))
+    return total * per_elem
+
+
+def check_host_ram(needed: int, pinned: int) -> None:
+    available = psutil.virtual_memory().available
+    if needed + pinned > available:
+        gib = 1024**3
+        raise MemoryError(
+            f"full offload needs {needed + pinned} bytes of host RAM ({(needed + pinned) / gib:.2f} GiB: "
+            f"{needed} for masters/moments/accumulators, {pinned} pinned staging) but only "
+            f"{available} bytes ({available / gib:.2f} GiB) are available"
+        )
+
+
+def allocate_host_state(records: list[ParamRecord], *, moments: bool, accumulate: bool) -> HostBuffers:
+    """Allocate flat fp32 buffers and give each record its views; copy the masters.
+
+    NOTE: the caller binds the process to its CPU set before this runs, so the
+    first touch below (the zero fill and the master copy) places the pages on
+    the NUMA node of the threads that will update them.
+    """
+    total = sum(_padded(r.numel) for r in records)
+    master = torch.empty(total, dtype=torch.float32)
+    exp_avg = torch.zeros(total, dtype=torch.float32) if moments else None
+    exp_avg_sq = torch.zeros(total, dtype=torch.float32) if moments else None
+    accum = torch.zeros(total, dtype=torch.float32) if accumulate else None
+    off = 0
+    for r in records:
+        sl = slice(off, off + r.numel)
+        r.master = master[sl]
+        with torch.no_grad():
+            r.master.copy_(r.local().detach().reshape(-1))  # fp32 master <- current values
+        r.exp_avg = exp_avg[sl] if moments else None
+        r.exp_avg_sq = exp_avg_sq[sl] if moments else None
+        r.accum = accum[sl] if accumulate else None
+        off += _padded(r.numel)
+    return HostBuffers(master, exp_avg, exp_avg_sq, accum)
+
+
+def cast_to_compute(records: Iterable[ParamRecord], *, compute_dtype: torch.dtype, keep_fp32: set[int]) -> None:
+    """Cast each parameter in place (same Python object) to its compute dtype.
+
+    Parameters whose ``id`` is in ``keep_fp32`` become (or stay) fp32.
+    """
+    for r in records:
+        target = torch.float32 if id(r.param) in keep_fp32 else compute_dtype
+        if r.param.dtype == target:
+            continue
+        with torch.no_grad():
+            if r.is_dtensor:
+                # NOTE: a DTensor keeps its local shard in a Python attribute that
+                # ``.data =`` does not touch; swapping the whole tensor (what
+                # ``nn.Module.to`` does for tensor subclasses) keeps the Parameter
+                # object, so FSDP2's lazy init picks up the new local shard.
+                new = torch.nn.Parameter(r.param.detach().to(target), requires_grad=r.param.requires_grad)
+                try:
+                    torch.utils.swap_tensors(r.param, new)
+                except RuntimeError as e:
+                    raise RuntimeError(
+                        f"could not cast FSDP2 parameter {r.name} to {target} in place ({e}); "
+                        "wrap the optimizer before the model's first forward"
+                    ) from e
+            else:
+                r.param.data = r.param.data.to(target)

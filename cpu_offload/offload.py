@@ -1,0 +1,62 @@
+# The one offload setting: offload_optimizer(optimizer, offload=...).
+#
+# Scope: validate the mode and its keyword options, and return the optimizer
+# unchanged ("none"), a StateOffloadOptimizer ("optimizer", the default) or a
+# FullCPUOffloadOptimizer ("full").
+# Non-goals: aliases or guessing (an unknown mode is a ValueError, an unknown
+# keyword a TypeError), anything the wrappers themselves do.
+
+from __future__ import annotations
+
+import torch
+
+from cpu_offload.full_offload import FullCPUOffloadOptimizer
+from cpu_offload.state_offload import StateOffloadOptimizer
+
+__all__ = ["offload_optimizer", "OFFLOAD_MODES"]
+
+OFFLOAD_MODES = ("optimizer", "full", "none")
+
+# Keyword options each mode accepts (beyond grad_accum_steps, accepted by all).
+_OPTIONS = {
+    "none": (),
+    "optimizer": ("pin_memory",),
+    "full": ("compute_dtype", "keep_fp32", "pinned_bytes", "num_slots", "timeout_s", "sysfs_root"),
+}
+
+
+def offload_optimizer(optimizer: torch.optim.Optimizer, offload: str = "optimizer", **options):
+    """Move an optimizer's work or state off the device.
+
+    Args:
+        optimizer: a ``torch.optim.Optimizer`` built over the model's parameters
+            (for FSDP2, after ``fully_shard`` and before the first forward).
+        offload: ``"optimizer"`` (default): the optimizer state lives in pinned
+            host RAM between steps and the step runs on the device;
+            ``"full"``: fp32 masters, moments and gradients in host RAM, the
+            step runs on the CPU during backward (torch.optim.AdamW or
+            cpu_offload.SignSGD only); ``"none"``: the optimizer, unchanged.
+        grad_accum_steps: backward passes per step (all modes; only ``"full"``
+            needs it, the others accumulate in ``param.grad`` as usual).
+        **options: mode-specific keywords, see FullCPUOffloadOptimizer and
+            StateOffloadOptimizer.
+    """
+    if not isinstance(offload, str) or offload not in OFFLOAD_MODES:
+        raise ValueError(f"offload must be one of {', '.join(repr(m) for m in OFFLOAD_MODES)}; got {offload!r}")
+    if not isinstance(optimizer, torch.optim.Optimizer):
+        raise TypeError(f"optimizer must be a torch.optim.Optimizer, got {type(optimizer).__name__}")
+    grad_accum_steps = options.pop("grad_accum_steps", 1)
+    if isinstance(grad_accum_steps, bool) or not isinstance(grad_accum_steps, int) or grad_accum_steps < 1:
+        raise ValueError(f"grad_accum_steps must be an int >= 1, got {grad_accum_steps!r}")
+    unknown = sorted(set(options) - set(_OPTIONS[offload]))
+    if unknown:
+        accepted = ", ".join(("grad_accum_steps",) + _OPTIONS[offload])
+        raise TypeError(
+            f"offload_optimizer(offload={offload!r}) got unexpected keyword argument(s) "
+            f"{', '.join(unknown)}; accepted: {accepted}"
+        )
+    if offload == "none":
+        return optimizer
+    if offload == "optimizer":
+        return StateOffloadOptimizer(optimizer, **options)
+    return FullCPUOffloadOptimizer(optimizer, grad_accum_steps=grad_accum_steps, **options)

@@ -1,0 +1,136 @@
+# The "optimizer" offload mode: the wrapped optimizer's state tensors (AdamW's
+# moments, ...) live in pinned host RAM between steps and visit the device only
+# for step(). Weights and gradients stay on the device, so everything that
+# reads ``param.grad`` (clipping, logging) keeps working.
+#
+# Scope: moving state tensors host <-> device around the wrapped optimizer's
+# own step(); state_dict / load_state_dict that keep the state on the host.
+# Non-goals: running the optimizer on the CPU (that is offload="full"),
+# splitting one step into pieces to cap the device memory of the step itself.
+
+from __future__ import annotations
+
+from collections import OrderedDict
+
+import torch
+
+__all__ = ["StateOffloadOptimizer"]
+
+
+def _is_dtensor(t) -> bool:
+    try:
+        from torch.distributed.tensor import DTensor
+    except ImportError:  # pragma: no cover
+        return False
+    return isinstance(t, DTensor)
+
+
+def _rewrap(local: torch.Tensor, like):
+    """``local`` with the DTensor layout of ``like`` (or ``local`` itself)."""
+    if not _is_dtensor(like):
+        return local
+    from torch.distributed.tensor import DTensor
+
+    return DTensor(local, like._spec, requires_grad=False)
+
+
+def _local(t: torch.Tensor) -> torch.Tensor:
+    return t._local_tensor if _is_dtensor(t) else t
+
+
+class StateOffloadOptimizer(torch.optim.Optimizer):
+    """Keeps a torch optimizer's state in host RAM between steps.
+
+    Any ``torch.optim.Optimizer`` works: its ``step()`` runs unchanged on the
+    device, after the state tensors were copied in; afterwards they are copied
+    back into host buffers (pinned when CUDA is available, allocated once at
+    the first step) and the device copies are freed. With CPU parameters the
+    same copies run between two host tensors (that is how it is tested).
+
+    Args:
+        optimizer: the optimizer to wrap (its ``param_groups`` and ``state`` are shared).
+        pin_memory: page-lock the host buffers (default: when CUDA is available).
+    """
+
+    def __init__(self, optimizer: torch.optim.Optimizer, *, pin_memory=None) -> None:
+        if not isinstance(optimizer, torch.optim.Optimizer):
+            raise TypeError(f"optimizer must be a torch.optim.Optimizer, got {type(optimizer).__name__}")
+        self.optimizer = optimizer
+        self.defaults = optimizer.defaults
+        self.param_groups = optimizer.param_groups  # NOTE: the same list and dicts
+        for name in ("step_pre", "step_post", "state_dict_pre", "state_dict_post",
+                     "load_state_dict_pre", "load_state_dict_post"):
+            setattr(self, f"_optimizer_{name}_hooks", OrderedDict())
+        self._patch_step_function()
+        self.pin_memory = torch.cuda.is_available() if pin_memory is None else bool(pin_memory)
+        self._host: dict = {}  # (id(param), key) -> host tensor (the local shard for DTensors)
+        self._pending = False  # D2H copies issued and not yet waited for
+
+    @property
+    def state(self):
+        return self.optimizer.state
+
+    def _to_device(self) -> None:
+        for p, st in self.optimizer.state.items():
+            device = _local(p).device
+            for key, value in st.items():
+                if not isinstance(value, torch.Tensor) or self._host.get((id(p), key)) is not _local(value):
+                    continue
+                host = _local(value)
+                dev = torch.empty(host.shape, dtype=host.dtype, device=device)
+                st[key] = _rewrap(dev.copy_(host, non_blocking=True), value)
+
+    def _to_host(self) -> None:
+        for p, st in self.optimizer.state.items():
+            device = _local(p).device
+            for key, value in st.items():
+                if not isinstance(value, torch.Tensor) or value.dim() == 0:
+                    continue  # scalars such as AdamW's "step" stay where they are
+                local = _local(value)
+                if local.device != device or local is self._host.get((id(p), key)):
+                    continue
+                host = self._host.get((id(p), key))
+                if host is None or host.shape != local.shape or host.dtype != local.dtype:
+                    host = torch.empty(local.shape, dtype=local.dtype, pin_memory=self.pin_memory)
+                    self._host[(id(p), key)] = host
+                # NOTE: asynchronous on the current stream: the next step's copy
+                # back is ordered after it on the same stream; host readers call
+                # _wait() first.
+                host.copy_(local, non_blocking=self.pin_memory)
+                st[key] = _rewrap(host, value)
+                self._pending = self.pin_memory
+
+    def _wait(self) -> None:
+        if self._pending:
+            torch.cuda.current_stream().synchronize()
+            self._pending = False
+
+    def step(self, closure=None):
+        """Copy the state in, run the wrapped optimizer's step, copy it out."""
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        self._to_device()
+        self.optimizer.step()
+        self._to_host()
+        return loss
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        self.optimizer.zero_grad(set_to_none=set_to_none)
+
+    def add_param_group(self, param_group) -> None:
+        self.optimizer.add_param_group(param_group)
+
+    def state_dict(self) -> dict:
+        self._wait()
+        return self.optimizer.state_dict()
+
+    def load_state_dict(self, state_dict: dict) -> None:
+        self._wait()
+        self.optimizer.load_state_dict(state_dict)  # torch moves the state to the device
+        self._to_host()
+        self._wait()
+
+    def __repr__(self) -> str:
+        return f"StateOffloadOptimizer({self.optimizer!r})"

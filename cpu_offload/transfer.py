@@ -1,0 +1,199 @@
+# Host <-> device transfers for full offload: bounded host staging rings, side
+# streams and completion markers, plus the synchronous fallback used when the
+# parameters live on the CPU.
+#
+# Scope: allocating the staging rings once (pinned when CUDA is present),
+# issuing gradient copies device -> host and compute-copy copies host -> device,
+# and waiting for them with a timeout.
+# Non-goals: deciding which bytes go where (pipeline.py), any arithmetic
+# (kernels.py), and multi-device placement (one device per optimizer).
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from typing import Any, Callable, Optional
+
+import torch
+
+__all__ = ["HostRing", "Slot", "CudaTransfer", "SyncTransfer", "make_transfer", "ALIGN_BYTES"]
+
+# NOTE: every region handed out inside a slot starts at a multiple of 64 bytes,
+# so the native kernels see cache-line aligned tensors and regions of different
+# dtypes never share a cache line.
+ALIGN_BYTES = 64
+
+
+def align_up(nbytes: int, align: int = ALIGN_BYTES) -> int:
+    return (nbytes + align - 1) // align * align
+
+
+@dataclass(eq=False)
+class Slot:
+    """One fixed-size staging buffer of a ring.
+
+    ``owner`` names the chunk that holds the slot (``None`` when free);
+    ``marker`` is the completion marker of the last transfer that read the slot.
+    """
+
+    ring: str
+    index: int
+    buf: torch.Tensor  # uint8, ``nbytes`` long
+    owner: Optional[int] = None
+    marker: Any = None
+
+    @property
+    def nbytes(self) -> int:
+        return self.buf.numel()
+
+    def view(self, offset: int, numel: int, dtype: torch.dtype) -> torch.Tensor:
+        """A ``dtype`` view of ``numel`` elements starting ``offset`` bytes in."""
+        esize = torch.empty((), dtype=dtype).element_size()
+        return self.buf[offset : offset + numel * esize].view(dtype)
+
+
+class HostRing:
+    """``num_slots`` host buffers of ``slot_bytes`` each, allocated once.
+
+    Args:
+        name: used in diagnostics ("d2h" or "h2d").
+        num_slots: number of slots (>= 1).
+        slot_bytes: size of each slot, rounded up to ``ALIGN_BYTES``.
+        pin: allocate page-locked memory (needs CUDA).
+    """
+
+    def __init__(self, name: str, *, num_slots: int, slot_bytes: int, pin: bool) -> None:
+        if num_slots < 1:
+            raise ValueError(f"num_slots must be >= 1, got {num_slots}")
+        slot_bytes = align_up(max(int(slot_bytes), ALIGN_BYTES))
+        self.name = name
+        self.slot_bytes = slot_bytes
+        # NOTE: one allocation for the whole ring: pinning is slow (it maps and
+        # locks every page), so it happens here, once, never in a backward hook.
+        self._storage = torch.empty(num_slots * slot_bytes, dtype=torch.uint8, pin_memory=pin)
+        self.slots = [
+            Slot(name, i, self._storage[i * slot_bytes : (i + 1) * slot_bytes]) for i in range(num_slots)
+        ]
+
+    @property
+    def nbytes(self) -> int:
+        return self._storage.numel()
+
+    def describe(self) -> str:
+        parts = []
+        for s in self.slots:
+            parts.append(f"{s.index}:{'free' if s.owner is None else f'chunk {s.owner}'}")
+        return f"{self.name} ring [{', '.join(parts)}]"
+
+
+def wait_until(done: Callable[[], bool], *, timeout_s: float, what: str, diagnose: Callable[[], str]) -> None:
+    """Poll ``done`` until it returns True; raise TimeoutError with a diagnostic."""
+    deadline = time.monotonic() + timeout_s
+    delay = 20e-6
+    while not done():
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"cpu_offload: timed out after {timeout_s:g}s waiting for {what}\n{diagnose()}")
+        time.sleep(delay)
+        delay = min(delay * 2, 1e-3)
+
+
+class CudaTransfer:
+    """Copies on two side streams of one CUDA device; markers are CUDA events."""
+
+    is_async = True
+    pin = True
+
+    def __init__(self, device: torch.device) -> None:
+        self.device = device
+        self.d2h_stream = torch.cuda.Stream(device)
+        self.h2d_stream = torch.cuda.Stream(device)
+
+    def grad_ready(self) -> None:
+        """Order the D2H stream after everything queued so far on the current stream.
+
+        NOTE: called from the gradient hook, so the current stream is the one that
+        produced the gradient (the compute stream, or FSDP2's reduce-scatter stream).
+        Once this event has completed, every kernel that read the parameter in
+        this backward has completed too, which is what makes the later H2D copy
+        into the parameter safe.
+        """
+        ready = torch.cuda.current_stream(self.device).record_event()
+        self.d2h_stream.wait_event(ready)
+
+    def d2h_copy(self, dst: torch.Tensor, src: torch.Tensor) -> None:
+        with torch.cuda.stream(self.d2h_stream):
+            dst.copy_(src, non_blocking=True)
+        # NOTE: the caching allocator may hand the gradient's memory to the next
+        # kernel on its own stream as soon as the hook drops it; recording the
+        # side stream keeps the block alive until our copy has read it.
+        src.record_stream(self.d2h_stream)
+
+    def d2h_marker(self) -> Any:
+        return self.d2h_stream.record_event()
+
+    def h2d_copies(self, copies: list) -> Any:
+        """Issue ``dst.copy_(src)`` for each pair on the H2D stream (worker thread)."""
+        with torch.cuda.device(self.device), torch.cuda.stream(self.h2d_stream):
+            for dst, src in copies:
+                dst.copy_(src, non_blocking=True)
+            return self.h2d_stream.record_event()
+
+    @staticmethod
+    def is_done(marker: Any) -> bool:
+        return marker is None or marker.query()
+
+    def compute_waits_for_h2d(self) -> None:
+        torch.cuda.current_stream(self.device).wait_stream(self.h2d_stream)
+
+    def synchronize(self) -> None:
+        self.d2h_stream.synchronize()
+        self.h2d_stream.synchronize()
+
+    def worker_init(self) -> None:
+        torch.cuda.set_device(self.device)
+
+
+class SyncTransfer:
+    """CPU parameters: the same calls, done synchronously; markers are ``None``."""
+
+    is_async = False
+    pin = False
+
+    def __init__(self, device: torch.device) -> None:
+        self.device = device
+
+    def grad_ready(self) -> None:
+        pass
+
+    def d2h_copy(self, dst: torch.Tensor, src: torch.Tensor) -> None:
+        dst.copy_(src)
+
+    def d2h_marker(self) -> Any:
+        return None
+
+    def h2d_copies(self, copies: list) -> Any:
+        for dst, src in copies:
+            dst.copy_(src)
+        return None
+
+    @staticmethod
+    def is_done(marker: Any) -> bool:
+        return True
+
+    def compute_waits_for_h2d(self) -> None:
+        pass
+
+    def synchronize(self) -> None:
+        pass
+
+    def worker_init(self) -> None:
+        pass
+
+
+def make_transfer(device: torch.device):
+    """The transfer engine for parameters on ``device`` (CUDA or CPU)."""
+    if device.type == "cuda":
+        return CudaTransfer(device)
+    if device.type == "cpu":
+        return SyncTransfer(device)
+    raise ValueError(f"full offload supports CUDA or CPU parameters, got device {device}")
