@@ -26,7 +26,8 @@ import torch
 
 from cpu_offload import checkpoint, topology
 from cpu_offload.host_state import (
-    allocate_host_state, cast_to_compute, check_host_ram, collect_records, host_bytes_needed, local_of,
+    allocate_host_state, cast_to_compute, check_fsdp_not_started, check_host_ram, collect_records,
+    host_bytes_needed, local_of,
 )
 from cpu_offload.optim import SignSGD
 from cpu_offload.pipeline import Pipeline
@@ -138,6 +139,7 @@ class FullCPUOffloadOptimizer(torch.optim.Optimizer):
         self._accumulate = grad_accum_steps > 1
 
         self._records, self._frozen = collect_records(optimizer)
+        check_fsdp_not_started(self._records)
         keep = {id(p) for p in keep_fp32}
         device = self._records[0].local().device
         self.binding = _bind_for(device, sysfs_root)  # before any host state is touched

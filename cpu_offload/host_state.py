@@ -16,7 +16,7 @@ from typing import Iterable, Optional
 import psutil
 import torch
 
-__all__ = ["ParamRecord", "HostBuffers", "collect_records", "allocate_host_state", "cast_to_compute", "local_of"]
+__all__ = ["ParamRecord", "HostBuffers", "collect_records", "check_fsdp_not_started", "allocate_host_state", "cast_to_compute", "local_of"]
 
 # Elements per 64-byte line of fp32: every per-parameter view starts aligned.
 _ALIGN_ELEMS = 16
@@ -103,6 +103,37 @@ def collect_records(optimizer: torch.optim.Optimizer) -> tuple[list[ParamRecord]
     if len(devices) != 1:
         raise ValueError(f"full offload needs all trainable parameters on one device, got {sorted(map(str, devices))}")
     return records, frozen
+
+
+def check_fsdp_not_started(records: list[ParamRecord]) -> None:
+    """Raise if an FSDP2 module owning one of the parameters already ran forward.
+
+    FSDP2 fixes each parameter's dtype and all-gather buffers at its lazy init
+    (the first forward); a cast after that would not reach the all-gather.
+    NOTE: this reads FSDP2 internals; if they change, the check is skipped and
+    the gradient dtype check in the hook still fails loudly.
+    """
+    owned = {id(r.param): r for r in records if r.is_dtensor}
+    if not owned:
+        return
+    try:
+        from torch.distributed._composable_state import _module_state_mapping
+
+        states = [ref() for ref in list(_module_state_mapping.values())]
+        started = []
+        for state in states:
+            if state is None or getattr(state, "_is_root", None) is None:
+                continue
+            for group in getattr(state, "_fsdp_param_groups", None) or []:
+                started += [owned[id(fp.sharded_param)] for fp in group.fsdp_params if id(fp.sharded_param) in owned]
+    except Exception:  # pragma: no cover - other torch versions
+        return
+    if started:
+        raise RuntimeError(
+            f"parameter {started[0].name} belongs to an FSDP2 module that already ran a forward pass; FSDP2 "
+            "fixes parameter dtypes at its first forward, so call offload_optimizer(..., offload='full') "
+            "after fully_shard() and before the first forward"
+        )
 
 
 @dataclass(eq=False)

@@ -1,0 +1,154 @@
+# Full offload under FSDP2 on the CPU: two gloo processes (started like
+# torchrun: RANK, WORLD_SIZE, LOCAL_RANK, LOCAL_WORLD_SIZE, MASTER_*) train a
+# sharded model and must end with masters and compute copies bit-identical to
+# one process training the same model unsharded; a checkpoint saved with
+# torch.distributed.checkpoint and loaded into a fresh model resumes
+# bit-identically.
+import os
+import socket
+import subprocess
+import sys
+
+import pytest
+import torch
+import torch.nn as nn
+
+STEPS, RESUME_AT, ACCUM = 4, 2, 2
+
+
+def make_model():
+    torch.manual_seed(0)
+    # 33 and 5 rows: uneven shards (FSDP2 pads rank 0's shard)
+    return nn.Sequential(nn.Linear(16, 33), nn.GELU(), nn.Linear(33, 32), nn.GELU(), nn.Linear(32, 5))
+
+
+def make_opt(model):
+    return torch.optim.AdamW([
+        {"params": [p for n, p in model.named_parameters() if n.endswith("weight")], "weight_decay": 0.1},
+        {"params": [p for n, p in model.named_parameters() if n.endswith("bias")], "weight_decay": 0.0, "lr": 3e-3},
+    ], lr=1e-2, betas=(0.9, 0.95))
+
+
+def batch(step, micro):
+    # The same batch on every rank: the reduce-scatter average of equal bf16
+    # gradients is exact, so the sharded run must equal the unsharded one.
+    return torch.randn(8, 16, generator=torch.Generator().manual_seed(100 * step + micro)).to(torch.bfloat16)
+
+
+def train(model, opt, steps):
+    for s in steps:
+        for m in range(ACCUM):
+            model(batch(s, m)).float().pow(2).mean().backward()
+        opt.step()
+        opt.zero_grad()
+
+
+def _shard(model, mesh):
+    from torch.distributed.fsdp import fully_shard
+
+    for layer in model:
+        if isinstance(layer, nn.Linear):
+            fully_shard(layer, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    return model
+
+
+def worker(out_dir):
+    import torch.distributed as dist
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from cpu_offload import offload_optimizer
+
+    dist.init_process_group("gloo")
+    rank = dist.get_rank()
+    mesh = init_device_mesh("cpu", (dist.get_world_size(),))
+    model = _shard(make_model(), mesh)
+    opt = offload_optimizer(make_opt(model), offload="full", grad_accum_steps=ACCUM, pinned_bytes=1 << 15, num_slots=2)
+    train(model, opt, range(RESUME_AT))
+    ckpt = os.path.join(out_dir, "ckpt")
+    dcp.save({"optim": opt.state_dict()}, checkpoint_id=ckpt)
+    train(model, opt, range(RESUME_AT, STEPS))
+
+    sd = opt.state_dict()
+    entry = sd["state"][0]
+    result = {
+        "dtensor_state": type(entry["master"]).__name__ == "DTensor" and entry["exp_avg"].to_local().device.type == "cpu",
+        "masters": {i: e["master"].full_tensor() for i, e in sd["state"].items()},
+        "compute": {n: p.full_tensor() for n, p in model.named_parameters()},
+        "local_masters": {i: e["master"].to_local().clone() for i, e in sd["state"].items()},
+    }
+
+    # Resume: a fresh sharded model and optimizer, loaded from the checkpoint.
+    model2 = _shard(make_model(), mesh)
+    opt2 = offload_optimizer(make_opt(model2), offload="full", grad_accum_steps=ACCUM, pinned_bytes=1 << 15, num_slots=2)
+    sd2 = opt2.state_dict()
+    dcp.load({"optim": sd2}, checkpoint_id=ckpt)
+    opt2.load_state_dict(sd2)
+    train(model2, opt2, range(RESUME_AT, STEPS))
+    result["resumed_equal"] = all(
+        torch.equal(e["master"].to_local(), result["local_masters"][i]) for i, e in opt2.state_dict()["state"].items()
+    )
+    # Wrapping after FSDP2's first forward is refused with an explanation.
+    model3 = _shard(make_model(), mesh)
+    model3(batch(0, 0).float())
+    try:
+        offload_optimizer(make_opt(model3), offload="full")
+        result["late_wrap_error"] = ""
+    except RuntimeError as e:
+        result["late_wrap_error"] = str(e)
+    if rank == 0:
+        torch.save(result, os.path.join(out_dir, "result.pt"))
+    opt.close()
+    opt2.close()
+    dist.destroy_process_group()
+
+
+def _free_port():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_fsdp2_two_processes_equal_one_process(tmp_path):
+    pytest.importorskip("torch.distributed.fsdp")
+    if not torch.distributed.is_gloo_available():
+        pytest.skip("torch built without gloo")
+    port = str(_free_port())
+    procs = []
+    for rank in range(2):
+        env = dict(os.environ, MASTER_ADDR="127.0.0.1", MASTER_PORT=port, RANK=str(rank), WORLD_SIZE="2",
+                   LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE="2", OMP_NUM_THREADS="1")
+        procs.append(subprocess.Popen([sys.executable, __file__, "--worker", str(tmp_path)], env=env,
+                                      stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True))
+    outputs = []
+    for p in procs:
+        try:
+            outputs.append(p.communicate(timeout=150)[0])
+        except subprocess.TimeoutExpired:
+            for q in procs:
+                q.kill()
+            pytest.fail("FSDP2 workers timed out")
+    for p, out in zip(procs, outputs):
+        assert p.returncode == 0, out[-4000:]
+    result = torch.load(tmp_path / "result.pt")
+    assert result["dtensor_state"]  # DTensors over host shards
+    assert result["resumed_equal"]  # DCP save / load resumes bit-identically
+    assert "before the first forward" in result["late_wrap_error"]
+
+    # One process, the same model unsharded, the same batches.
+    from cpu_offload import offload_optimizer
+
+    model = make_model()
+    opt = offload_optimizer(make_opt(model), offload="full", grad_accum_steps=ACCUM, pinned_bytes=1 << 15, num_slots=2)
+    train(model, opt, range(STEPS))
+    sd = opt.state_dict()
+    for i, e in sd["state"].items():
+        assert torch.equal(e["master"], result["masters"][i]), i
+    for n, p in model.named_parameters():
+        assert torch.equal(p.detach(), result["compute"][n]), n
+    opt.close()
+
+
+if __name__ == "__main__" and sys.argv[1:2] == ["--worker"]:
+    worker(sys.argv[2])

@@ -1,0 +1,87 @@
+# offload_optimizer: the one `offload` setting and its three values.
+import pytest
+import torch
+import torch.nn as nn
+
+import cpu_offload
+from cpu_offload import FullCPUOffloadOptimizer, SignSGD, StateOffloadOptimizer, offload_optimizer
+
+
+def opt_for(kind="adamw", **kw):
+    torch.manual_seed(0)
+    model = nn.Linear(8, 4)
+    params = model.parameters()
+    if kind == "adamw":
+        return model, torch.optim.AdamW(params, lr=1e-3, **kw)
+    if kind == "sign":
+        return model, SignSGD(params, lr=1e-3)
+    return model, getattr(torch.optim, kind)(params, lr=1e-3)
+
+
+def test_public_names():
+    for name in ("offload_optimizer", "FullCPUOffloadOptimizer", "StateOffloadOptimizer", "SignSGD"):
+        assert name in cpu_offload.__all__
+
+
+def test_three_modes():
+    _, opt = opt_for()
+    assert offload_optimizer(opt, offload="none") is opt
+    _, opt = opt_for()
+    assert isinstance(offload_optimizer(opt), StateOffloadOptimizer)  # "optimizer" is the default
+    model, opt = opt_for("sign")
+    full = offload_optimizer(opt, offload="full", grad_accum_steps=2, pinned_bytes=1 << 16)
+    assert isinstance(full, FullCPUOffloadOptimizer) and full.grad_accum_steps == 2
+    assert model.weight.dtype == torch.bfloat16
+    full.close()
+
+
+def test_grad_accum_steps_is_accepted_by_every_mode():
+    for mode in ("none", "optimizer"):
+        _, opt = opt_for()
+        offload_optimizer(opt, offload=mode, grad_accum_steps=4)
+    _, opt = opt_for()
+    with pytest.raises(ValueError, match="grad_accum_steps"):
+        offload_optimizer(opt, offload="none", grad_accum_steps=0)
+
+
+def test_unknown_mode_lists_the_three():
+    _, opt = opt_for()
+    for bad in ("cpu", "Full", None, True):
+        with pytest.raises(ValueError, match="'optimizer', 'full', 'none'"):
+            offload_optimizer(opt, offload=bad)
+
+
+def test_unknown_keyword_is_a_type_error():
+    _, opt = opt_for()
+    with pytest.raises(TypeError, match="unexpected keyword argument.*pinned_bytes"):
+        offload_optimizer(opt, offload="none", pinned_bytes=1)
+    with pytest.raises(TypeError, match="unexpected keyword argument.*num_slot"):
+        offload_optimizer(opt, offload="full", num_slot=2)  # no silent aliases
+    with pytest.raises(TypeError, match="torch.optim.Optimizer"):
+        offload_optimizer(object(), offload="none")
+
+
+def test_full_accepts_only_adamw_and_sign_sgd():
+    for kind in ("Adam", "SGD", "RMSprop"):
+        _, opt = opt_for(kind)
+        with pytest.raises(TypeError, match="torch.optim.AdamW and cpu_offload.SignSGD"):
+            offload_optimizer(opt, offload="full")
+    for flag in ("amsgrad", "maximize", "capturable", "differentiable"):
+        _, opt = opt_for(**{flag: True})
+        with pytest.raises(ValueError, match=flag):
+            offload_optimizer(opt, offload="full")
+
+
+def test_schedulers_accept_every_wrapper():
+    for mode in ("optimizer", "full"):
+        model, opt = opt_for()
+        wrapped = offload_optimizer(opt, offload=mode)
+        sched = torch.optim.lr_scheduler.LambdaLR(wrapped, lambda s: 0.5 ** s)
+        x = torch.randn(2, 8, dtype=model.weight.dtype)
+        model(x).float().sum().backward()
+        wrapped.step()
+        wrapped.zero_grad()
+        sched.step()
+        assert opt.param_groups[0]["lr"] == pytest.approx(5e-4)
+        if mode == "full":
+            wrapped.close()
