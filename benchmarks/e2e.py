@@ -132,22 +132,31 @@ def summary_lines(rows: list[dict], bandwidth_gbs: Optional[float] = None) -> li
     """Short conclusions per budget: full vs none, vs each reference, against the targets."""
     out = []
     if bandwidth_gbs is not None:
-        out.append(f"host memory bandwidth (copy, read+write): {bandwidth_gbs:.1f} GB/s")
+        out.append(f"host memory bandwidth (read+write): {bandwidth_gbs:.1f} GB/s")
     ok = {(r["mode"], r["tokens_per_step"]): r for r in rows if not r.get("error")}
     for tokens in sorted({r["tokens_per_step"] for r in rows}):
         full, none = ok.get(("full", tokens)), ok.get(("none", tokens))
         if full is None or none is None:
             out.append(f"{tokens} tokens/step: full or none missing, no comparison")
             continue
-        line = (f"{tokens} tokens/step: full {full['ratio_to_none']:.2f}x none step time, "
-                f"{full['gib_saved']:.2f} GiB less peak GPU memory")
+        line = f"{tokens} tokens/step: full {full['ratio_to_none']:.2f}x none step time"
+        if full.get("gib_saved") is not None:
+            line += f", {full['gib_saved']:.2f} GiB less peak GPU memory"
+        if full.get("max_loss_diff_vs_none") is not None:
+            line += f", loss within {full['max_loss_diff_vs_none']:.4f} of none"
         for ref in ("torchao", "fsdp_cpu"):
             r = ok.get((ref, tokens))
             if r is not None:
-                line += f"; {r['step_s'] / full['step_s']:.2f}x faster than {LABELS[ref]}"
+                line += "; " + _speed_phrase(full["step_s"], r["step_s"], LABELS[ref])
         out.append(line)
         out.extend(_target_lines(tokens, full, [ok.get((m, tokens)) for m in ("torchao", "fsdp_cpu")]))
     return out
+
+
+def _speed_phrase(ours_s: float, theirs_s: float, name: str) -> str:
+    if ours_s <= theirs_s:
+        return f"{theirs_s / ours_s:.2f}x faster than {name}"
+    return f"{ours_s / theirs_s:.2f}x slower than {name}"
 
 
 def _target_lines(tokens: int, full: dict, refs: list[Optional[dict]]) -> list[str]:
@@ -156,7 +165,7 @@ def _target_lines(tokens: int, full: dict, refs: list[Optional[dict]]) -> list[s
         bound = TARGET_RATIO[tokens]
         held = full["ratio_to_none"] <= bound
         lines.append(f"  target full <= {bound}x none: {'held' if held else 'NOT held'} ({full['ratio_to_none']:.3f}x)")
-    if tokens in TARGET_SAVED_GIB:
+    if tokens in TARGET_SAVED_GIB and full.get("gib_saved") is not None:
         bound = TARGET_SAVED_GIB[tokens]
         held = full["gib_saved"] >= bound
         lines.append(f"  target >= {bound} GiB saved: {'held' if held else 'NOT held'} ({full['gib_saved']:.2f} GiB)")
@@ -200,11 +209,12 @@ def plot(report: dict, path: str) -> bool:
         ax.set_xticks([j + width * (len(modes) - 1) / 2 for j in range(len(budgets))])
         ax.set_xticklabels([f"{b} tok/step" for b in budgets])
         ax.set_title(title)
-    axes[0].legend(fontsize=8)
+    handles, labels = axes[0].get_legend_handles_labels()
+    fig.legend(handles, labels, loc="lower center", ncol=len(modes), fontsize=8, frameon=False)
     meta = report.get("meta", {})
     fig.suptitle(f"{meta.get('gpu', '?')} x{meta.get('n_gpus', 1)}, {meta.get('cpu_cores', '?')} CPU cores, "
                  f"torch {meta.get('torch', '?')}, {meta.get('date', '')}", fontsize=9)
-    fig.tight_layout()
+    fig.tight_layout(rect=(0, 0.07, 1, 1))  # room for the legend under the axes
     fig.savefig(path, dpi=120)
     plt.close(fig)
     return True
@@ -213,9 +223,17 @@ def plot(report: dict, path: str) -> bool:
 # --------------------------------------------------------------- measurement
 
 
-def host_bandwidth_gbs(nbytes: int = 1 << 30, repeats: int = 5) -> float:
-    """Host copy bandwidth in GB/s, counting bytes read plus bytes written; best of
-    `repeats` torch copies of `nbytes` (torch parallelises the copy over its threads)."""
+def host_bandwidth_gbs(nbytes: int = 1 << 30, repeats: int = 5) -> tuple[float, str]:
+    """Host memory bandwidth in GB/s counting bytes read plus bytes written, and how
+    it was measured: cpu_offload.bench's probe (a read-modify-write stream on the
+    library's own worker threads) when present, else the best of `repeats` torch
+    copies of `nbytes` (torch parallelises the copy over its threads)."""
+    try:
+        from cpu_offload.bench import measure_bandwidth
+    except ImportError:
+        measure_bandwidth = None
+    if measure_bandwidth is not None:
+        return measure_bandwidth(nbytes // 4, repeats), "cpu_offload.bench.measure_bandwidth"
     import torch
     src = torch.ones(nbytes // 4, dtype=torch.float32)
     dst = torch.empty_like(src)
@@ -225,14 +243,16 @@ def host_bandwidth_gbs(nbytes: int = 1 << 30, repeats: int = 5) -> float:
         t0 = time.perf_counter()
         dst.copy_(src)
         best = min(best, time.perf_counter() - t0)
-    return 2 * nbytes / best / 1e9
+    return 2 * nbytes / best / 1e9, "torch copy"
 
 
 def exposed_wait(stats: Optional[dict]) -> Optional[float]:
     """The seconds step() blocked, from the offload optimizer's stats()."""
     if not stats:
         return None
-    for word in ("exposed", "wait", "blocked"):
+    if isinstance(stats.get("step_blocked_s"), (int, float)):  # FullCPUOffloadOptimizer's name
+        return float(stats["step_blocked_s"])
+    for word in ("exposed", "blocked", "wait"):
         for key, value in stats.items():
             if word in key and isinstance(value, (int, float)):
                 return float(value)
@@ -327,6 +347,10 @@ def run_config(cfg: dict, *, nproc: int, timeout_s: float) -> dict:
     """Run one configuration in a fresh process; echo its output; parse its result line."""
     env = dict(os.environ, PYTHONUNBUFFERED="1",
                PYTHONPATH=os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH")) if p))
+    if nproc > 1 and "OMP_NUM_THREADS" not in env:
+        # NOTE: torchrun would set OMP_NUM_THREADS=1, starving the CPU optimizer steps
+        # of the reference rows (torch's CPU AdamW); give each rank its share instead.
+        env["OMP_NUM_THREADS"] = str(max(1, _cpu_count() // nproc))
     proc = subprocess.Popen(_subprocess_cmd(cfg, nproc), env=env, cwd=ROOT, text=True,
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
     timer = threading.Timer(timeout_s, proc.kill)
@@ -350,11 +374,27 @@ def run_config(cfg: dict, *, nproc: int, timeout_s: float) -> dict:
     return result
 
 
-def environment(nproc: int) -> dict:
+def _cpu_count() -> int:
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+
+
+def _cpu_model() -> str:
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
+def environment(results: list[dict], nproc: int) -> dict:
+    """Where the numbers come from. NOTE: the GPU name is the workers' report: this
+    process never initialises CUDA, so it holds no GPU memory while they run."""
     import torch
-    gpu = torch.cuda.get_device_name(0) if torch.cuda.is_available() else "no GPU"
-    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
-    return {"gpu": gpu, "n_gpus": nproc, "cpu_cores": cores, "cpu": platform.processor() or platform.machine(),
+    gpu = next((r["gpu"] for r in results if r.get("gpu")), "unknown (no configuration ran)")
+    return {"gpu": gpu, "n_gpus": nproc, "cpu_cores": _cpu_count(), "cpu": _cpu_model(),
             "torch": torch.__version__, "python": platform.python_version(),
             "date": datetime.date.today().isoformat()}
 
@@ -411,17 +451,19 @@ def main(argv=None) -> int:
             print(RESULT_TAG + json.dumps(result), flush=True)
         return 0
     plan = configs(args)
-    bandwidth = host_bandwidth_gbs()
-    print(f"host memory bandwidth (copy, read+write): {bandwidth:.1f} GB/s", flush=True)
+    bandwidth, how = host_bandwidth_gbs()
+    print(f"host memory bandwidth (read+write): {bandwidth:.1f} GB/s ({how})", flush=True)
     results = []
     for cfg in plan:
         print(f"== {cfg['mode']} @ {cfg['tokens_per_step']} tokens/step", flush=True)
         results.append(run_config(cfg, nproc=args.nproc_per_node, timeout_s=args.timeout))
-    meta = environment(args.nproc_per_node)
-    meta.update(model=plan[0]["model"] if plan else None, warmup=args.warmup, steps=args.steps)
+    meta = environment(results, args.nproc_per_node)
+    meta.update(model=plan[0]["model"] if plan else None, warmup=args.warmup, steps=args.steps,
+                bandwidth_probe=how)
     report = build_report(results, bandwidth_gbs=bandwidth, meta=meta)
     print()
-    print(f"{meta['gpu']} x{meta['n_gpus']} | {meta['cpu_cores']} CPU cores | torch {meta['torch']} | {meta['date']}")
+    print(f"{meta['gpu']} x{meta['n_gpus']} | {meta['cpu_cores']} CPU cores ({meta['cpu']}) | "
+          f"torch {meta['torch']} | {meta['date']}")
     print(format_table(report["rows"]))
     if args.json:
         write_json(report, args.json)

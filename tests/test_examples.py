@@ -296,12 +296,21 @@ def test_summary_and_targets(e2e):
     lines = e2e.summary_lines(e2e.summarize(FAKE), bandwidth_gbs=123.4)
     text = "\n".join(lines)
     assert lines[0].startswith("host memory bandwidth") and "123.4 GB/s" in lines[0]
-    assert "8192 tokens/step: full 2.00x none step time, 15.00 GiB less" in text
+    assert "8192 tokens/step: full 2.00x none step time, 15.00 GiB less peak GPU memory, loss within 0.5000" in text
     assert "2.00x faster than torchao CPUOffloadOptimizer" in text
     assert "2.50x faster than FSDP2 CPUOffloadPolicy" in text
     assert "target full <= 2.6x none: held (2.000x)" in text
     assert "target full <= 1.05x none: held (1.000x)" in text
     assert "target >= 11.0 GiB saved: held (15.00 GiB)" in text
+
+
+def test_summary_says_slower(e2e):
+    rows = e2e.summarize([_fake("none", 8192, [0.1] * 5, 40.0), _fake("full", 8192, [0.5] * 5, 20.0),
+                          _fake("torchao", 8192, [0.25] * 5, 30.0)])
+    text = "\n".join(e2e.summary_lines(rows))
+    assert "2.00x slower than torchao CPUOffloadOptimizer" in text
+    assert "target full <= 2.6x none: NOT held (5.000x)" in text
+    assert "target full faster than every reference row: NOT held" in text
 
 
 def test_json_and_plot(e2e, tmp_path):
@@ -320,6 +329,7 @@ def test_exposed_wait_lookup(e2e):
     assert e2e.exposed_wait(None) is None
     assert e2e.exposed_wait({"bytes_d2h": 10, "step_wait_s": 0.5}) == 0.5
     assert e2e.exposed_wait({"exposed_s": 0.1, "wait_s": 0.9}) == 0.1
+    assert e2e.exposed_wait({"step_blocked_s": 0.2, "kernel_s": 0.7}) == 0.2
 
 
 def test_benchmark_defaults(e2e):
