@@ -14,8 +14,8 @@
 #
 #   python benchmarks/e2e.py --json e2e.json --plot e2e.png
 #
-# The report code (summarize, format_table, summary_lines) is pure and tested on fake
-# measurements in tests/test_examples.py. Non-goals: multi-node runs, real data.
+# The report code (table, summary, JSON, plot) lives in benchmarks/e2e_report.py.
+# Non-goals: multi-node runs, real data.
 
 from __future__ import annotations
 
@@ -26,6 +26,7 @@ import json
 import math
 import os
 import platform
+import signal
 import statistics
 import subprocess
 import sys
@@ -34,190 +35,17 @@ import time
 from pathlib import Path
 from typing import Optional
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # e2e_report, also when loaded by path
+from e2e_report import (LABELS, MODES, build_report, format_table, plot,  # noqa: E402
+                        summarize, summary_lines, write_json)
+
+# The report functions are re-exported: one module to import for the whole benchmark.
+__all__ = ["LABELS", "MODES", "build_report", "format_table", "plot", "summarize", "summary_lines",
+           "write_json", "exposed_wait", "host_bandwidth_gbs", "run_config", "worker", "main"]
+
 ROOT = Path(__file__).resolve().parents[1]
 EXAMPLE = ROOT / "examples" / "train_fsdp.py"
 RESULT_TAG = "E2E_RESULT "
-MODES = ("none", "optimizer", "full", "torchao", "fsdp_cpu")
-LABELS = {
-    "none": "none",
-    "optimizer": "optimizer",
-    "full": "full",
-    "torchao": "torchao CPUOffloadOptimizer",
-    "fsdp_cpu": "FSDP2 CPUOffloadPolicy",
-}
-# Targets this benchmark is judged by (1x H200, d_model 2048 / 16 layers, seq 2048).
-# (tokens/step, full step time at most this × none) and the GiB full must save vs none.
-TARGET_RATIO = {32768: 1.05, 8192: 2.6}
-TARGET_SAVED_GIB = {32768: 11.0}
-
-
-# ------------------------------------------------------------------ report (pure)
-
-
-def summarize(results: list[dict]) -> list[dict]:
-    """Table rows from raw per-configuration results.
-
-    A result: mode, tokens_per_step, step_times_s (the timed steps), peak_gpu_gib,
-    exposed_wait_s (or None), losses, n_gpus, error (None when it ran). Ratios and
-    savings are taken against the `none` result of the same tokens/step budget.
-    """
-    baseline = {r["tokens_per_step"]: r for r in results if r["mode"] == "none" and not r.get("error")}
-    rows = []
-    for r in results:
-        row = {"mode": r["mode"], "label": LABELS.get(r["mode"], r["mode"]),
-               "tokens_per_step": r["tokens_per_step"], "error": r.get("error")}
-        if not r.get("error"):
-            step_s = statistics.median(r["step_times_s"])
-            n_gpus = r.get("n_gpus", 1)
-            row.update(step_s=step_s, tokens_per_s=r["tokens_per_step"] / step_s,
-                       tokens_per_s_per_gpu=r["tokens_per_step"] / step_s / n_gpus,
-                       peak_gpu_gib=r["peak_gpu_gib"], exposed_wait_s=r.get("exposed_wait_s"))
-            base = baseline.get(r["tokens_per_step"])
-            if base is not None:
-                base_step = statistics.median(base["step_times_s"])
-                row["ratio_to_none"] = step_s / base_step
-                row["gib_saved"] = (None if None in (base["peak_gpu_gib"], r["peak_gpu_gib"])
-                                    else base["peak_gpu_gib"] - r["peak_gpu_gib"])
-                row["max_loss_diff_vs_none"] = _max_loss_diff(r.get("losses"), base.get("losses"))
-        rows.append(row)
-    return rows
-
-
-def _max_loss_diff(a: Optional[list], b: Optional[list]) -> Optional[float]:
-    if not a or not b:
-        return None
-    n = min(len(a), len(b))
-    return max(abs(x - y) for x, y in zip(a[:n], b[:n]))
-
-
-def _cell(value, fmt: str) -> str:
-    if value is None or (isinstance(value, float) and math.isnan(value)):
-        return "-"
-    return format(value, fmt)
-
-
-COLUMNS = (  # header, row key, format, width
-    ("mode", "label", "", 28),
-    ("tokens/step", "tokens_per_step", "d", 11),
-    ("step s", "step_s", ".3f", 8),
-    ("tokens/s", "tokens_per_s", ",.0f", 10),
-    ("tok/s/GPU", "tokens_per_s_per_gpu", ",.0f", 10),
-    ("vs none", "ratio_to_none", ".2f", 7),
-    ("peak GPU GiB", "peak_gpu_gib", ".2f", 12),
-    ("GiB saved", "gib_saved", ".2f", 9),
-    ("exposed wait s", "exposed_wait_s", ".3f", 14),
-)
-
-
-def format_table(rows: list[dict]) -> str:
-    """A fixed-width text table, one line per configuration (failed ones say why)."""
-    header = "  ".join(h.ljust(w) if i == 0 else h.rjust(w) for i, (h, _, _, w) in enumerate(COLUMNS))
-    lines = [header, "-" * len(header)]
-    for row in rows:
-        if row.get("error"):
-            head = "  ".join((row["label"].ljust(28), str(row["tokens_per_step"]).rjust(11)))
-            lines.append(f"{head}  failed: {row['error'].strip()[:120]}")
-            continue
-        cells = []
-        for i, (_, key, fmt, width) in enumerate(COLUMNS):
-            text = row[key] if i == 0 else _cell(row.get(key), fmt)
-            if key == "ratio_to_none" and text != "-":
-                text += "x"
-            cells.append(text.ljust(width) if i == 0 else text.rjust(width))
-        lines.append("  ".join(cells))
-    return "\n".join(lines)
-
-
-def summary_lines(rows: list[dict], bandwidth_gbs: Optional[float] = None) -> list[str]:
-    """Short conclusions per budget: full vs none, vs each reference, against the targets."""
-    out = []
-    if bandwidth_gbs is not None:
-        out.append(f"host memory bandwidth (read+write): {bandwidth_gbs:.1f} GB/s")
-    ok = {(r["mode"], r["tokens_per_step"]): r for r in rows if not r.get("error")}
-    for tokens in sorted({r["tokens_per_step"] for r in rows}):
-        full, none = ok.get(("full", tokens)), ok.get(("none", tokens))
-        if full is None or none is None:
-            out.append(f"{tokens} tokens/step: full or none missing, no comparison")
-            continue
-        line = f"{tokens} tokens/step: full {full['ratio_to_none']:.2f}x none step time"
-        if full.get("gib_saved") is not None:
-            line += f", {full['gib_saved']:.2f} GiB less peak GPU memory"
-        if full.get("max_loss_diff_vs_none") is not None:
-            line += f", loss within {full['max_loss_diff_vs_none']:.4f} of none"
-        for ref in ("torchao", "fsdp_cpu"):
-            r = ok.get((ref, tokens))
-            if r is not None:
-                line += "; " + _speed_phrase(full["step_s"], r["step_s"], LABELS[ref])
-        out.append(line)
-        out.extend(_target_lines(tokens, full, [ok.get((m, tokens)) for m in ("torchao", "fsdp_cpu")]))
-    return out
-
-
-def _speed_phrase(ours_s: float, theirs_s: float, name: str) -> str:
-    if ours_s <= theirs_s:
-        return f"{theirs_s / ours_s:.2f}x faster than {name}"
-    return f"{ours_s / theirs_s:.2f}x slower than {name}"
-
-
-def _target_lines(tokens: int, full: dict, refs: list[Optional[dict]]) -> list[str]:
-    lines = []
-    if tokens in TARGET_RATIO:
-        bound = TARGET_RATIO[tokens]
-        held = full["ratio_to_none"] <= bound
-        lines.append(f"  target full <= {bound}x none: {'held' if held else 'NOT held'} ({full['ratio_to_none']:.3f}x)")
-    if tokens in TARGET_SAVED_GIB and full.get("gib_saved") is not None:
-        bound = TARGET_SAVED_GIB[tokens]
-        held = full["gib_saved"] >= bound
-        lines.append(f"  target >= {bound} GiB saved: {'held' if held else 'NOT held'} ({full['gib_saved']:.2f} GiB)")
-    present = [r for r in refs if r is not None]
-    if present:
-        held = all(full["step_s"] < r["step_s"] for r in present)
-        lines.append(f"  target full faster than every reference row: {'held' if held else 'NOT held'}")
-    return lines
-
-
-def build_report(results: list[dict], *, bandwidth_gbs: Optional[float], meta: dict) -> dict:
-    return {"meta": meta, "host_bandwidth_gbs": bandwidth_gbs,
-            "results": results, "rows": summarize(results)}
-
-
-def write_json(report: dict, path: str) -> None:
-    with open(path, "w") as f:
-        json.dump(report, f, indent=2)
-        f.write("\n")
-
-
-def plot(report: dict, path: str) -> bool:
-    """Step time and peak GPU memory per mode, one bar group per budget. False
-    when matplotlib is missing."""
-    try:
-        import matplotlib
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        return False
-    rows = [r for r in report["rows"] if not r.get("error")]
-    budgets = sorted({r["tokens_per_step"] for r in rows})
-    modes = [m for m in MODES if any(r["mode"] == m for r in rows)]
-    fig, axes = plt.subplots(1, 2, figsize=(12, 4.5))
-    width = 0.8 / max(1, len(modes))
-    for ax, key, title in ((axes[0], "step_s", "step time (s)"), (axes[1], "peak_gpu_gib", "peak GPU memory (GiB)")):
-        for i, mode in enumerate(modes):
-            values = [next((r[key] for r in rows if r["mode"] == mode and r["tokens_per_step"] == b), 0.0)
-                      for b in budgets]
-            ax.bar([j + i * width for j in range(len(budgets))], values, width, label=LABELS[mode])
-        ax.set_xticks([j + width * (len(modes) - 1) / 2 for j in range(len(budgets))])
-        ax.set_xticklabels([f"{b} tok/step" for b in budgets])
-        ax.set_title(title)
-    handles, labels = axes[0].get_legend_handles_labels()
-    fig.legend(handles, labels, loc="lower center", ncol=len(modes), fontsize=8, frameon=False)
-    meta = report.get("meta", {})
-    fig.suptitle(f"{meta.get('gpu', '?')} x{meta.get('n_gpus', 1)}, {meta.get('cpu_cores', '?')} CPU cores, "
-                 f"torch {meta.get('torch', '?')}, {meta.get('date', '')}", fontsize=9)
-    fig.tight_layout(rect=(0, 0.07, 1, 1))  # room for the legend under the axes
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
-    return True
 
 
 # --------------------------------------------------------------- measurement
@@ -277,9 +105,9 @@ def _build(ex, mode: str, mcfg, device, cfg: dict):
         return model, opt, None
     if mode == "torchao":
         from torchao.optim import CPUOffloadOptimizer
-        # NOTE: CPUOffloadOptimizer keys its host copies by the GPU parameter, so it
-        # cannot take FSDP2's DTensor shards: the model stays unsharded (fp32 weights)
-        # and bf16 compute comes from autocast, the setting torchao documents.
+        # NOTE: torchao documents CPUOffloadOptimizer for single-GPU training, not for
+        # FSDP2's DTensor shards: the model stays unsharded (fp32 weights on the GPU)
+        # and bf16 compute comes from autocast.
         model = ex.build_model(mcfg, device, fsdp=False, seed=cfg["seed"])
         opt = CPUOffloadOptimizer(ex.param_groups(model, wd), torch.optim.AdamW, offload_gradients=True,
                                   fused=True, lr=lr, betas=(0.9, 0.95), eps=1e-8)
@@ -343,17 +171,38 @@ def _subprocess_cmd(cfg: dict, nproc: int) -> list[str]:
     return [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}", *me]
 
 
+def _error_line(lines: list[str]) -> str:
+    """The most telling line of a failed run's output: its last exception message."""
+    texts = [l.strip() for l in lines if l.strip()]
+    for text in reversed(texts):
+        head = text.split("]: ", 1)[-1]  # torchrun prefixes "[rank0]: "
+        if head.split(":", 1)[0].endswith(("Error", "Exception")):
+            return head
+    return texts[-1] if texts else ""
+
+
+def _kill_group(proc: subprocess.Popen) -> None:
+    try:
+        os.killpg(proc.pid, signal.SIGKILL)
+    except ProcessLookupError:  # it ended on its own meanwhile
+        pass
+
+
 def run_config(cfg: dict, *, nproc: int, timeout_s: float) -> dict:
     """Run one configuration in a fresh process; echo its output; parse its result line."""
+    if cfg["mode"] == "torchao" and nproc > 1:
+        return {"mode": cfg["mode"], "tokens_per_step": cfg["tokens_per_step"],
+                "error": "skipped: torchao's CPUOffloadOptimizer supports single-GPU training only"}
     env = dict(os.environ, PYTHONUNBUFFERED="1",
                PYTHONPATH=os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH")) if p))
     if nproc > 1 and "OMP_NUM_THREADS" not in env:
         # NOTE: torchrun would set OMP_NUM_THREADS=1, starving the CPU optimizer steps
         # of the reference rows (torch's CPU AdamW); give each rank its share instead.
         env["OMP_NUM_THREADS"] = str(max(1, _cpu_count() // nproc))
-    proc = subprocess.Popen(_subprocess_cmd(cfg, nproc), env=env, cwd=ROOT, text=True,
+    # A session of its own, so a timeout kills torchrun's workers along with torchrun.
+    proc = subprocess.Popen(_subprocess_cmd(cfg, nproc), env=env, cwd=ROOT, text=True, start_new_session=True,
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
-    timer = threading.Timer(timeout_s, proc.kill)
+    timer = threading.Timer(timeout_s, _kill_group, (proc,))
     timer.start()
     tail, result = [], None
     try:
@@ -368,7 +217,7 @@ def run_config(cfg: dict, *, nproc: int, timeout_s: float) -> dict:
         timer.cancel()
     if result is None:
         why = "timed out" if proc.returncode in (-9, 137) else f"exit code {proc.returncode}"
-        last = next((l.strip() for l in reversed(tail) if l.strip()), "")
+        last = _error_line(tail)
         result = {"mode": cfg["mode"], "tokens_per_step": cfg["tokens_per_step"],
                   "error": f"{why}: {last}", "log_tail": "".join(tail)}
     return result

@@ -318,11 +318,29 @@ def test_json_and_plot(e2e, tmp_path):
     e2e.write_json(report, str(tmp_path / "r.json"))
     loaded = json.loads((tmp_path / "r.json").read_text())
     assert loaded["host_bandwidth_gbs"] == 50.0 and len(loaded["rows"]) == len(FAKE)
+    report["rows"].append(e2e.summarize([_fake("none", 64, [0.1] * 5, None)])[0])  # a CPU run: no GPU peak
     made = e2e.plot(report, str(tmp_path / "r.png"))
     if importlib.util.find_spec("matplotlib") is None:
         assert made is False
     else:
         assert made and (tmp_path / "r.png").stat().st_size > 0
+
+
+def test_error_line_and_skips(e2e):
+    out = ["Traceback (most recent call last):\n", "[rank0]: RuntimeError: CUDA out of memory\n",
+           "E1130 failed (exitcode: 1)\n", "====\n"]
+    assert e2e._error_line(out) == "RuntimeError: CUDA out of memory"
+    assert e2e._error_line(["just this\n"]) == "just this"
+    skipped = e2e.run_config({"mode": "torchao", "tokens_per_step": 8192}, nproc=2, timeout_s=1)
+    assert skipped["error"].startswith("skipped")
+    table = e2e.format_table(e2e.summarize([skipped]))
+    assert "skipped: torchao" in table and "failed" not in table
+
+
+def test_run_config_timeout(e2e):
+    cfg = e2e.configs(e2e.parse_args(["--device", "cpu", "--modes", "none", "--tokens", "2048"]))[0]
+    result = e2e.run_config(cfg, nproc=1, timeout_s=0.5)  # killed while it imports torch
+    assert result["error"].startswith("timed out")
 
 
 def test_exposed_wait_lookup(e2e):
