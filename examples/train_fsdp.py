@@ -425,7 +425,7 @@ def init_distributed(device: torch.device, **kwargs) -> None:
 
 
 def parse_args(argv=None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__ or "FSDP2 + cpu_offload training example")
+    p = argparse.ArgumentParser(description="FSDP2 training with cpu_offload on synthetic tokens.")
     p.add_argument("--offload", choices=["none", "optimizer", "full"], default="full")
     p.add_argument("--optimizer", choices=["adamw", "sign_sgd"], default="adamw")
     p.add_argument("--steps", type=int, default=20, help="total optimizer steps")
