@@ -124,7 +124,11 @@ def check_fsdp_not_started(records: list[ParamRecord]) -> None:
         for state in states:
             if state is None or getattr(state, "_is_root", None) is None:
                 continue
-            for group in getattr(state, "_fsdp_param_groups", None) or []:
+            groups = getattr(state, "_fsdp_param_groups", None)  # torch >= 2.12: several per module
+            if groups is None:
+                single = getattr(state, "_fsdp_param_group", None)
+                groups = [single] if single is not None else []
+            for group in groups:
                 started += [owned[id(fp.sharded_param)] for fp in group.fsdp_params if id(fp.sharded_param) in owned]
     except Exception:  # pragma: no cover - other torch versions
         return

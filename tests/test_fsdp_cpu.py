@@ -114,11 +114,15 @@ def test_fsdp2_two_processes_equal_one_process(tmp_path):
     pytest.importorskip("torch.distributed.fsdp")
     if not torch.distributed.is_gloo_available():
         pytest.skip("torch built without gloo")
+    import cpu_offload
+
     port = str(_free_port())
+    root = os.path.dirname(os.path.dirname(os.path.abspath(cpu_offload.__file__)))  # the workers import it too
+    path = os.pathsep.join([root] + [p for p in [os.environ.get("PYTHONPATH")] if p])
     procs = []
     for rank in range(2):
         env = dict(os.environ, MASTER_ADDR="127.0.0.1", MASTER_PORT=port, RANK=str(rank), WORLD_SIZE="2",
-                   LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE="2", OMP_NUM_THREADS="1")
+                   LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE="2", OMP_NUM_THREADS="1", PYTHONPATH=path)
         procs.append(subprocess.Popen([sys.executable, __file__, "--worker", str(tmp_path)], env=env,
                                       stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True))
     outputs = []
