@@ -45,6 +45,18 @@ def _median_seconds(fn, repeats: int) -> float:
     return statistics.median(times)
 
 
+def _paired_median_seconds(fn_a, fn_b, repeats: int):
+    """Median seconds of fn_a and fn_b, timed alternately so both see the same machine load."""
+    fn_a(), fn_b()
+    times_a, times_b = [], []
+    for _ in range(repeats):
+        for fn, times in ((fn_a, times_a), (fn_b, times_b)):
+            t0 = time.perf_counter()
+            fn()
+            times.append(time.perf_counter() - t0)
+    return statistics.median(times_a), statistics.median(times_b)
+
+
 def measure_bandwidth(numel: int, repeats: int) -> float:
     """GB/s of a read-modify-write stream (x <- x*1) over ``numel`` floats, pool threads."""
     x = torch.ones(numel)
@@ -122,6 +134,7 @@ class Workload:
 
 
 def _row(name, isa, seconds, bytes_per_elem, numel, probe_gbs, torch_seconds):
+    """One table row; ``torch_seconds`` is torch's fused AdamW timed alternately with this row."""
     gbs = bytes_per_elem * numel / seconds / 1e9
     return dict(isa=isa, config=name, ms=seconds * 1e3, gb_s=gbs, gelem_s=numel / seconds / 1e9,
                 probe_share=gbs / probe_gbs, vs_torch_fused=torch_seconds / seconds)
@@ -171,17 +184,18 @@ def main(argv=None) -> int:
     work = Workload(args.numel, args.tensors)
     probe_gbs = measure_bandwidth(max(args.numel, 16 << 20), args.repeats)
     _progress(f"bandwidth probe: {probe_gbs:.1f} GB/s")
-    torch_seconds = _median_seconds(work.torch_fused_adamw(), args.repeats)
+    torch_step = work.torch_fused_adamw()
+    torch_seconds = _median_seconds(torch_step, args.repeats)
     rows = [_row("torch fused AdamW fp32", "torch", torch_seconds, 28, args.numel, probe_gbs, torch_seconds)]
     ds_step = work.deepspeed_cpu_adam()
     if ds_step is not None:
-        rows.append(_row("DeepSpeed CPU Adam fp32", "deepspeed", _median_seconds(ds_step, args.repeats), 28,
-                         args.numel, probe_gbs, torch_seconds))
+        torch_seconds, seconds = _paired_median_seconds(torch_step, ds_step, args.repeats)
+        rows.append(_row("DeepSpeed CPU Adam fp32", "deepspeed", seconds, 28, args.numel, probe_gbs, torch_seconds))
     total = len(isas) * len(CONFIGS)
     for i, (isa, config) in enumerate(((a, c) for a in isas for c in CONFIGS), 1):
         _progress(f"[{i}/{total}] {isa}: {config}")
         with kernels.use_isa(isa):
-            seconds = _median_seconds(lambda: work.run(config), args.repeats)
+            torch_seconds, seconds = _paired_median_seconds(torch_step, lambda: work.run(config), args.repeats)
         rows.append(_row(config, isa, seconds, CONFIGS[config], args.numel, probe_gbs, torch_seconds))
 
     cpu = platform.processor() or platform.machine()

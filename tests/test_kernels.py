@@ -39,9 +39,10 @@ def _clone(state):
     return {k: ([t.clone() for t in v] if isinstance(v, list) else v.clone()) for k, v in state.items()}
 
 
-def _run_adamw(state, out_dtype, isa, threads, steps=2):
+def _run_adamw(state, out_dtype, isa, threads, steps=2, out_offset=0):
     kernels.set_num_threads(threads)
-    out = None if out_dtype is None else [torch.empty(p.numel(), dtype=out_dtype) for p in state["params"]]
+    out = None if out_dtype is None else [torch.empty(p.numel() + out_offset, dtype=out_dtype)[out_offset:]
+                                          for p in state["params"]]
     with kernels.use_isa(isa):
         for _ in range(steps):
             kernels.adamw_step(state["params"], state["grads"], state["exp_avgs"], state["exp_avg_sqs"],
@@ -66,7 +67,7 @@ def test_adamw_isa_equals_scalar(isa, grad_dtype, out_dtype, threads, split_ever
         state = _adamw_state(numels, offset, grad_dtype, seed=hash((offset, str(grad_dtype))) % 1000)
         expected = _clone(state)
         out_ref = _run_adamw(expected, out_dtype, "scalar", 1)
-        out = _run_adamw(state, out_dtype, isa, threads)
+        out = _run_adamw(state, out_dtype, isa, threads, out_offset=offset)  # unaligned streamed output
         for name in ("params", "exp_avgs", "exp_avg_sqs"):
             _assert_same_bits(state[name], expected[name])
         assert torch.equal(state["steps"], expected["steps"])
@@ -87,7 +88,7 @@ def test_sign_sgd_and_accumulate_isa_equal_scalar(isa, grad_dtype, threads, spli
     for which, n_threads in (("ref", 1), ("isa", threads)):
         kernels.set_num_threads(n_threads)
         p = [t.clone() for t in params]
-        out = [torch.empty(t.numel(), dtype=torch.bfloat16) for t in p]
+        out = [torch.empty(t.numel() + 5, dtype=torch.bfloat16)[5:] for t in p]
         acc = [torch.empty(t.numel()) for t in p]
         with kernels.use_isa("scalar" if which == "ref" else isa):
             kernels.sign_sgd_step(p, grads, lr=1e-2, weight_decay=0.1, compute_params=out)

@@ -1,7 +1,7 @@
 // The optimizer math, written once as templates over a vector type V (vec/*.h).
 // Every kernel is a vector loop over whole vectors followed, right under it, by a scalar
-// tail doing the same operations through VecScalar, so any split of the work gives the
-// same bits. NOTE: no fused multiply-add anywhere (and -ffp-contract=off in the build):
+// tail doing the same operations through VecScalar (and, for a streamed bf16 output, a
+// scalar head up to alignment), so any split of the work gives the same bits. NOTE: no fused multiply-add anywhere (and -ffp-contract=off in the build):
 // each step is one correctly rounded IEEE operation, which is what makes every ISA equal
 // the scalar path and the pure-torch reference (cpu_offload/reference.py) bit for bit.
 #pragma once
@@ -18,10 +18,26 @@ inline typename V::F load_grad(const void* grad, int64_t i) {
   else return V::load_bf16(static_cast<const uint16_t*>(grad) + i);
 }
 
+// NOTE: the bf16 compute copy is a write-only stream (and, in full offload, pinned memory
+// read next by a DMA engine), so the vector body writes it with non-temporal stores: no
+// read-for-ownership of lines about to be overwritten, 2 bytes less traffic per element.
+// Those stores need vector alignment; elements before the first aligned one take the
+// scalar path, which gives the same bits. stream_fence() orders them before the return.
 template <class V, OutKind O>
 inline void store_out(void* out, int64_t i, typename V::F x) {
   if constexpr (O == OutKind::f32) V::store(static_cast<float*>(out) + i, x);
-  else if constexpr (O == OutKind::bf16) V::store_bf16(static_cast<uint16_t*>(out) + i, x);
+  else if constexpr (O == OutKind::bf16) V::stream_bf16(static_cast<uint16_t*>(out) + i, x);
+}
+
+// Elements to run through the scalar path so that out + i is aligned for stream_bf16.
+template <class V, OutKind O>
+inline int64_t unaligned_head(const void* out, int64_t n) {
+  if constexpr (O != OutKind::bf16 || V::N == 1) return 0;
+  const uintptr_t bytes = V::N * sizeof(uint16_t);
+  const uintptr_t misalign = reinterpret_cast<uintptr_t>(out) % bytes;
+  if (misalign % sizeof(uint16_t) != 0) return n;  // cannot align: all scalar
+  const int64_t head = misalign == 0 ? 0 : static_cast<int64_t>((bytes - misalign) / sizeof(uint16_t));
+  return head < n ? head : n;
 }
 
 // ---- AdamW (torch.optim.AdamW semantics, decoupled weight decay) ----
@@ -47,8 +63,11 @@ template <class V, DType G, OutKind O>
 void adamw_range(const AdamWScalars& s, float* param, const void* grad, float* exp_avg,
                  float* exp_avg_sq, void* out, int64_t n) {
   int64_t i = 0;
+  for (const int64_t head = unaligned_head<V, O>(out, n); i < head; ++i)
+    adamw_at<VecScalar, G, O>(s, param, grad, exp_avg, exp_avg_sq, out, i);
   for (; i + V::N <= n; i += V::N) adamw_at<V, G, O>(s, param, grad, exp_avg, exp_avg_sq, out, i);
   for (; i < n; ++i) adamw_at<VecScalar, G, O>(s, param, grad, exp_avg, exp_avg_sq, out, i);
+  if constexpr (O == OutKind::bf16) V::stream_fence();
 }
 
 // ---- SignSGD ----
@@ -64,8 +83,11 @@ inline void sign_sgd_at(const SignSGDScalars& s, float* param, const void* grad,
 template <class V, DType G, OutKind O>
 void sign_sgd_range(const SignSGDScalars& s, float* param, const void* grad, void* out, int64_t n) {
   int64_t i = 0;
+  for (const int64_t head = unaligned_head<V, O>(out, n); i < head; ++i)
+    sign_sgd_at<VecScalar, G, O>(s, param, grad, out, i);
   for (; i + V::N <= n; i += V::N) sign_sgd_at<V, G, O>(s, param, grad, out, i);
   for (; i < n; ++i) sign_sgd_at<VecScalar, G, O>(s, param, grad, out, i);
+  if constexpr (O == OutKind::bf16) V::stream_fence();
 }
 
 // ---- gradient accumulation: acc <- g (copy) or acc <- acc + g ----

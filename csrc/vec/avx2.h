@@ -16,7 +16,11 @@ struct VecAvx2 {
     __m256i w = _mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
     return _mm256_castsi256_ps(_mm256_slli_epi32(w, 16));
   }
-  static void store_bf16(uint16_t* p, F x) {
+  static void store_bf16(uint16_t* p, F x) { _mm_storeu_si128(reinterpret_cast<__m128i*>(p), round_bf16(x)); }
+  // Non-temporal store of 8 bf16; p must be 16-byte aligned.
+  static void stream_bf16(uint16_t* p, F x) { _mm_stream_si128(reinterpret_cast<__m128i*>(p), round_bf16(x)); }
+  static void stream_fence() { _mm_sfence(); }
+  static __m128i round_bf16(F x) {
     __m256i u = _mm256_castps_si256(x);
     __m256i lsb = _mm256_and_si256(_mm256_srli_epi32(u, 16), _mm256_set1_epi32(1));
     __m256i r = _mm256_srli_epi32(_mm256_add_epi32(u, _mm256_add_epi32(lsb, _mm256_set1_epi32(0x7FFF))), 16);
@@ -24,7 +28,7 @@ struct VecAvx2 {
     r = _mm256_blendv_epi8(r, _mm256_set1_epi32(0x7FC0), is_nan);
     // NOTE: packus works per 128-bit lane; the permute puts the 8 results in order.
     __m256i packed = _mm256_permute4x64_epi64(_mm256_packus_epi32(r, r), 0xD8);
-    _mm_storeu_si128(reinterpret_cast<__m128i*>(p), _mm256_castsi256_si128(packed));
+    return _mm256_castsi256_si128(packed);
   }
   static F set1(float x) { return _mm256_set1_ps(x); }
   static F add(F a, F b) { return _mm256_add_ps(a, b); }

@@ -27,6 +27,9 @@ struct VecAvx512 {
   static void store_bf16(uint16_t* p, F x) {
     _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), round_bf16(x));
   }
+  // Non-temporal store of 16 bf16; p must be 32-byte aligned.
+  static void stream_bf16(uint16_t* p, F x) { _mm256_stream_si256(reinterpret_cast<__m256i*>(p), round_bf16(x)); }
+  static void stream_fence() { _mm_sfence(); }
   static F set1(float x) { return _mm512_set1_ps(x); }
   static F add(F a, F b) { return _mm512_add_ps(a, b); }
   static F sub(F a, F b) { return _mm512_sub_ps(a, b); }

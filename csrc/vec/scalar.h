@@ -29,6 +29,8 @@ struct VecScalar {
     return f;
   }
   static void store_bf16(uint16_t* p, F x) { *p = bf16_round_scalar(x); }
+  static void stream_bf16(uint16_t* p, F x) { *p = bf16_round_scalar(x); }
+  static void stream_fence() {}
   static F set1(float x) { return x; }
   static F add(F a, F b) { return a + b; }
   static F sub(F a, F b) { return a - b; }
