@@ -16,7 +16,10 @@ from typing import Iterable, Optional
 import psutil
 import torch
 
-__all__ = ["ParamRecord", "HostBuffers", "collect_records", "check_fsdp_not_started", "allocate_host_state", "cast_to_compute", "local_of"]
+__all__ = [
+    "ParamRecord", "HostBuffers", "collect_records", "check_fsdp_not_started", "host_bytes_needed",
+    "check_host_ram", "allocate_host_state", "cast_to_compute", "local_of",
+]
 
 # Elements per 64-byte line of fp32: every per-parameter view starts aligned.
 _ALIGN_ELEMS = 16
