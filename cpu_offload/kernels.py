@@ -40,7 +40,7 @@ __all__ = [
 
 _DTYPE_CODE = {torch.float32: 0, torch.bfloat16: 1}
 _OUT_KIND = {None: 0, torch.float32: 1, torch.bfloat16: 2}
-_CACHE_SIZE = 16
+_CACHE_SIZE = 256
 
 
 # ---------------------------------------------------------------- ISA and threads

@@ -60,8 +60,11 @@ inline void adamw_at(const AdamWScalars& s, float* param, const void* grad, floa
 }
 
 template <class V, DType G, OutKind O>
-void adamw_range(const AdamWScalars& s, float* param, const void* grad, float* exp_avg,
+void adamw_range(const AdamWScalars& scalars, float* param, const void* grad, float* exp_avg,
                  float* exp_avg_sq, void* out, int64_t n) {
+  // NOTE: a local copy: stores through the float pointers could alias the caller's struct,
+  // which would force a reload and broadcast of every constant in every iteration.
+  const AdamWScalars s = scalars;
   int64_t i = 0;
   for (const int64_t head = unaligned_head<V, O>(out, n); i < head; ++i)
     adamw_at<VecScalar, G, O>(s, param, grad, exp_avg, exp_avg_sq, out, i);
@@ -81,7 +84,8 @@ inline void sign_sgd_at(const SignSGDScalars& s, float* param, const void* grad,
 }
 
 template <class V, DType G, OutKind O>
-void sign_sgd_range(const SignSGDScalars& s, float* param, const void* grad, void* out, int64_t n) {
+void sign_sgd_range(const SignSGDScalars& scalars, float* param, const void* grad, void* out, int64_t n) {
+  const SignSGDScalars s = scalars;  // local copy, see adamw_range
   int64_t i = 0;
   for (const int64_t head = unaligned_head<V, O>(out, n); i < head; ++i)
     sign_sgd_at<VecScalar, G, O>(s, param, grad, out, i);
