@@ -306,6 +306,11 @@ def main(argv=None) -> int:
     for cfg in plan:
         print(f"== {cfg['mode']} @ {cfg['tokens_per_step']} tokens/step", flush=True)
         results.append(run_config(cfg, nproc=args.nproc_per_node, timeout_s=args.timeout))
+        last = results[-1]
+        if last.get("error"):
+            print(f"   failed: {last['error'].strip()[-300:]}", flush=True)
+        else:
+            print(f"   median step {statistics.median(last['step_times_s']):.3f} s", flush=True)
     meta = environment(results, args.nproc_per_node)
     meta.update(model=plan[0]["model"] if plan else None, warmup=args.warmup, steps=args.steps,
                 bandwidth_probe=how)
