@@ -31,6 +31,11 @@ CONFIGS = {
 }
 
 
+# NOTE: torch's OpenMP threads keep spinning for a while after each torch call and would
+# steal the cores from whatever runs next; a pause before each timed call lets them sleep.
+_SETTLE_S = 0.05
+
+
 def _progress(msg: str) -> None:
     print(msg, file=sys.stderr, flush=True)
 
@@ -39,6 +44,7 @@ def _median_seconds(fn, repeats: int) -> float:
     fn()  # warm-up: page faults, thread start
     times = []
     for _ in range(repeats):
+        time.sleep(_SETTLE_S)
         t0 = time.perf_counter()
         fn()
         times.append(time.perf_counter() - t0)
@@ -51,6 +57,7 @@ def _paired_median_seconds(fn_a, fn_b, repeats: int):
     times_a, times_b = [], []
     for _ in range(repeats):
         for fn, times in ((fn_a, times_a), (fn_b, times_b)):
+            time.sleep(_SETTLE_S)
             t0 = time.perf_counter()
             fn()
             times.append(time.perf_counter() - t0)
@@ -182,7 +189,8 @@ def main(argv=None) -> int:
 
     _progress(f"allocating {args.numel:,} elements in {args.tensors:,} tensors")
     work = Workload(args.numel, args.tensors)
-    probe_gbs = measure_bandwidth(max(args.numel, 16 << 20), args.repeats)
+    # NOTE: the probe array must be far larger than the last-level cache (servers have 100+ MB).
+    probe_gbs = measure_bandwidth(max(4 * args.numel, 1 << 27), args.repeats)
     _progress(f"bandwidth probe: {probe_gbs:.1f} GB/s")
     torch_step = work.torch_fused_adamw()
     torch_seconds = _median_seconds(torch_step, args.repeats)

@@ -24,7 +24,7 @@ from typing import Iterable, Optional
 
 import torch
 
-from cpu_offload import checkpoint, topology
+from cpu_offload import checkpoint
 from cpu_offload.host_state import (
     allocate_host_state, cast_to_compute, check_fsdp_not_started, check_host_ram, collect_records,
     host_bytes_needed, local_of,
@@ -43,6 +43,10 @@ _BOUND_PLAN: Optional[topology.BindingPlan] = None
 def _bind_for(device: torch.device, sysfs_root: str) -> topology.BindingPlan:
     """Apply the topology binding once per process (the plan must be computed
     before the first bind narrows the affinity, so it is cached)."""
+    # NOTE: imported here, not at the top, so `python -m cpu_offload.topology` runs a module
+    # that importing the package has not already loaded.
+    from cpu_offload import topology
+
     global _BOUND_PLAN
     if _BOUND_PLAN is None:
         if device.type == "cuda":
