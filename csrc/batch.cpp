@@ -10,6 +10,8 @@ namespace {
 
 // Split points fall on multiples of this many elements (a 64-byte line of fp32).
 constexpr int64_t kSplitAlign = 16;
+// Work blocks per worker thread (see parallel_ranges).
+constexpr int64_t kBlocksPerWorker = 8;
 
 struct Span {
   uintptr_t begin, end;
@@ -52,19 +54,26 @@ TensorBatch::TensorBatch(std::vector<int64_t> numels, std::vector<Operand> opera
 void TensorBatch::parallel_ranges(const std::function<void(int64_t, int64_t, int64_t)>& fn) const {
   const int64_t n = total();
   if (n == 0) return;
-  const int64_t workers = std::max<int64_t>(1, std::min<int64_t>(pool_num_threads(), n / std::max<int64_t>(1, g_min_elements_per_worker.load())));
-  pool_run(static_cast<int>(workers), [&](int k) {
-    // Global element range of worker k, aligned so vectors rarely straddle a split.
-    auto split = [&](int64_t j) { return j == workers ? n : (n * j / workers) / kSplitAlign * kSplitAlign; };
-    int64_t lo = split(k), hi = split(k + 1);
-    if (lo >= hi) return;
-    int64_t t = std::upper_bound(offsets_.begin(), offsets_.end(), lo) - offsets_.begin() - 1;
-    while (lo < hi) {
-      const int64_t t_end = offsets_[t + 1];
-      const int64_t stop = std::min(hi, t_end);
-      if (stop > lo) fn(t, lo - offsets_[t], stop - offsets_[t]);
-      lo = stop;
-      ++t;
+  const int64_t min_per_worker = std::max<int64_t>(1, g_min_elements_per_worker.load());
+  const int64_t workers = std::max<int64_t>(1, std::min<int64_t>(pool_num_threads(), n / min_per_worker));
+  // NOTE: the elements are cut into about kBlocksPerWorker blocks per worker, taken from a
+  // shared counter, so a worker that starts late or shares its core does not hold up the
+  // call: the others take its blocks. Results do not depend on who runs which block.
+  const int64_t block = std::max<int64_t>(
+      kSplitAlign, (n / (workers * kBlocksPerWorker) + kSplitAlign - 1) / kSplitAlign * kSplitAlign);
+  std::atomic<int64_t> next_block{0};
+  pool_run(static_cast<int>(workers), [&](int) {
+    for (;;) {
+      int64_t lo = next_block.fetch_add(1, std::memory_order_relaxed) * block;
+      if (lo >= n) return;
+      const int64_t hi = std::min(n, lo + block);
+      int64_t t = std::upper_bound(offsets_.begin(), offsets_.end(), lo) - offsets_.begin() - 1;
+      while (lo < hi) {
+        const int64_t stop = std::min(hi, offsets_[t + 1]);
+        if (stop > lo) fn(t, lo - offsets_[t], stop - offsets_[t]);
+        lo = stop;
+        ++t;
+      }
     }
   });
 }

@@ -1,6 +1,6 @@
 // A validated list of tensors as raw memory: per-tensor element counts and, per operand
-// role (params, grads, ...), one pointer per tensor. parallel_ranges() splits the whole
-// list by element count over the pool, so tensor sizes do not matter for balance.
+// role (params, grads, ...), one pointer per tensor. parallel_ranges() cuts the whole
+// list into equal element blocks shared by the pool, so tensor sizes do not matter for balance.
 #pragma once
 #include <cstdint>
 #include <functional>
