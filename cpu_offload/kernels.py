@@ -166,11 +166,10 @@ def _prepared(kind: str, named_lists, dtypes_by_name) -> _Entry:
             _cache.move_to_end(key)
             return entry
 
-    params = present[0][1]
-    _check_list(present[0][0], params, None, dtypes_by_name[present[0][0]])
+    params_name, params = present[0]
+    codes = {params_name: _check_list(params_name, params, None, dtypes_by_name[params_name])}
     numels = [t.numel() for t in params]
-    codes = {}
-    for name, tensors in present:
+    for name, tensors in present[1:]:
         codes[name] = _check_list(name, tensors, len(params), dtypes_by_name[name], numels)
     operands = [(name, [t.data_ptr() for t in tensors], tensors[0].element_size() if tensors else 4)
                 for name, tensors in present]
