@@ -19,7 +19,6 @@ from __future__ import annotations
 import atexit
 import time
 import weakref
-from collections import OrderedDict
 from typing import Iterable, Optional
 
 import torch
@@ -32,6 +31,7 @@ from cpu_offload.host_state import (
 from cpu_offload.optim import SignSGD
 from cpu_offload.pipeline import Pipeline
 from cpu_offload.transfer import HostRing, align_up, make_transfer
+from cpu_offload.wrapping import adopt_optimizer
 
 __all__ = ["FullCPUOffloadOptimizer"]
 
@@ -131,13 +131,7 @@ class FullCPUOffloadOptimizer(torch.optim.Optimizer):
             raise ValueError(f"pinned_bytes must be an int >= {2 * num_slots * 4096} (num_slots={num_slots}), got {pinned_bytes!r}")
         if not timeout_s > 0:
             raise ValueError(f"timeout_s must be > 0, got {timeout_s!r}")
-        self.optimizer = optimizer
-        self.defaults = optimizer.defaults
-        self.param_groups = optimizer.param_groups  # NOTE: the same list and dicts
-        for name in ("step_pre", "step_post", "state_dict_pre", "state_dict_post",
-                     "load_state_dict_pre", "load_state_dict_post"):
-            setattr(self, f"_optimizer_{name}_hooks", OrderedDict())
-        self._patch_step_function()
+        adopt_optimizer(self, optimizer)
         self.grad_accum_steps = grad_accum_steps
         self.timeout_s = float(timeout_s)
         self._accumulate = grad_accum_steps > 1

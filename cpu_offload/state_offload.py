@@ -10,10 +10,10 @@
 
 from __future__ import annotations
 
-from collections import OrderedDict
 
 import torch
 
+from cpu_offload.wrapping import adopt_optimizer
 __all__ = ["StateOffloadOptimizer"]
 
 
@@ -55,13 +55,7 @@ class StateOffloadOptimizer(torch.optim.Optimizer):
     def __init__(self, optimizer: torch.optim.Optimizer, *, pin_memory=None) -> None:
         if not isinstance(optimizer, torch.optim.Optimizer):
             raise TypeError(f"optimizer must be a torch.optim.Optimizer, got {type(optimizer).__name__}")
-        self.optimizer = optimizer
-        self.defaults = optimizer.defaults
-        self.param_groups = optimizer.param_groups  # NOTE: the same list and dicts
-        for name in ("step_pre", "step_post", "state_dict_pre", "state_dict_post",
-                     "load_state_dict_pre", "load_state_dict_post"):
-            setattr(self, f"_optimizer_{name}_hooks", OrderedDict())
-        self._patch_step_function()
+        adopt_optimizer(self, optimizer)
         self.pin_memory = torch.cuda.is_available() if pin_memory is None else bool(pin_memory)
         self._host: dict = {}  # (id(param), key) -> host tensor (the local shard for DTensors)
         self._pending = False  # D2H copies issued and not yet waited for
