@@ -170,6 +170,8 @@ def _parse(argv):
         ap.error("--numel and --tensors must be >= 1, with --tensors <= --numel")
     if args.repeats < 1:
         ap.error("--repeats must be >= 1")
+    if args.threads is not None and args.threads < 1:
+        ap.error("--threads must be >= 1")
     return args
 
 

@@ -1,0 +1,40 @@
+# The micro-benchmark CLI: checks every ISA against the reference, times every
+# configuration, writes the table and JSON; bad options are argparse errors.
+import json
+
+import pytest
+
+from cpu_offload import bench, kernels
+
+
+def test_bench_runs_every_isa_and_configuration(tmp_path, capsys):
+    path = tmp_path / "bench.json"
+    assert bench.main(["--numel", "100003", "--tensors", "7", "--repeats", "1", "--threads", "2",
+                       "--json", str(path)]) == 0
+    result = json.loads(path.read_text())
+    rows = result["rows"]
+    timed = {(r["isa"], r["config"]) for r in rows if r["isa"] not in ("torch", "deepspeed")}
+    assert timed == {(isa, config) for isa in kernels.available_isas() for config in bench.CONFIGS}
+    assert rows[0]["isa"] == "torch"
+    for r in rows:
+        assert r["ms"] > 0 and r["gb_s"] > 0 and r["probe_share"] > 0 and r["vs_torch_fused"] > 0
+    assert result["meta"]["threads"] == 2 and result["meta"]["tensors"] == 7
+    out = capsys.readouterr().out
+    assert "x torch fused" in out and "adamw bf16 grads->bf16" in out
+
+
+def test_reference_check_catches_a_wrong_kernel(monkeypatch):
+    for isa in kernels.available_isas():
+        bench.check_against_reference(isa)
+    real = kernels.sign_sgd_step
+    monkeypatch.setattr(kernels, "sign_sgd_step", lambda p, g, **kw: real(p, g, **dict(kw, lr=kw["lr"] * 2)))
+    with pytest.raises(AssertionError, match="differ from cpu_offload.reference"):
+        bench.check_against_reference("scalar")
+
+
+@pytest.mark.parametrize("argv", [["--numel", "0"], ["--tensors", "10", "--numel", "5"], ["--repeats", "0"],
+                                  ["--threads", "0"], ["--isa", "neon"]])
+def test_bench_rejects_bad_options(argv):
+    with pytest.raises(SystemExit) as e:
+        bench.main(argv)
+    assert e.value.code == 2
