@@ -18,14 +18,14 @@ import torch
 
 __all__ = [
     "ParamRecord", "HostBuffers", "collect_records", "check_fsdp_not_started", "host_bytes_needed",
-    "check_host_ram", "allocate_host_state", "cast_to_compute", "local_of",
+    "check_host_ram", "allocate_host_state", "cast_to_compute", "is_dtensor", "local_of",
 ]
 
 # Elements per 64-byte line of fp32: every per-parameter view starts aligned.
 _ALIGN_ELEMS = 16
 
 
-def _is_dtensor(t: torch.Tensor) -> bool:
+def is_dtensor(t: torch.Tensor) -> bool:
     try:
         from torch.distributed.tensor import DTensor
     except ImportError:  # pragma: no cover - torch built without distributed
@@ -35,7 +35,7 @@ def _is_dtensor(t: torch.Tensor) -> bool:
 
 def local_of(t: torch.Tensor) -> torch.Tensor:
     """The local shard of an FSDP2 DTensor, or the tensor itself."""
-    if _is_dtensor(t):
+    if is_dtensor(t):
         with torch.no_grad():
             return t.to_local()
     return t
@@ -97,7 +97,7 @@ def collect_records(optimizer: torch.optim.Optimizer) -> tuple[list[ParamRecord]
             if not loc.is_contiguous():
                 raise ValueError(f"parameter {name} is not contiguous; full offload copies whole parameters as flat ranges")
             records.append(
-                ParamRecord(index, g, name, p, loc.numel(), loc.shape, _is_dtensor(p))
+                ParamRecord(index, g, name, p, loc.numel(), loc.shape, is_dtensor(p))
             )
             index += 1
     if not records:

@@ -10,24 +10,17 @@
 
 from __future__ import annotations
 
-
 import torch
 
+from cpu_offload.host_state import is_dtensor
 from cpu_offload.wrapping import adopt_optimizer
+
 __all__ = ["StateOffloadOptimizer"]
-
-
-def _is_dtensor(t) -> bool:
-    try:
-        from torch.distributed.tensor import DTensor
-    except ImportError:  # pragma: no cover
-        return False
-    return isinstance(t, DTensor)
 
 
 def _rewrap(local: torch.Tensor, like):
     """``local`` with the DTensor layout of ``like`` (or ``local`` itself)."""
-    if not _is_dtensor(like):
+    if not is_dtensor(like):
         return local
     from torch.distributed.tensor import DTensor
 
@@ -35,7 +28,9 @@ def _rewrap(local: torch.Tensor, like):
 
 
 def _local(t: torch.Tensor) -> torch.Tensor:
-    return t._local_tensor if _is_dtensor(t) else t
+    # NOTE: the local tensor object itself (not host_state.local_of's to_local()),
+    # because host buffers are recognised by identity.
+    return t._local_tensor if is_dtensor(t) else t
 
 
 class StateOffloadOptimizer(torch.optim.Optimizer):

@@ -48,8 +48,7 @@ class Slot:
 
     def view(self, offset: int, numel: int, dtype: torch.dtype) -> torch.Tensor:
         """A ``dtype`` view of ``numel`` elements starting ``offset`` bytes in."""
-        esize = torch.empty((), dtype=dtype).element_size()
-        return self.buf[offset : offset + numel * esize].view(dtype)
+        return self.buf[offset : offset + numel * dtype.itemsize].view(dtype)
 
 
 class HostRing:
@@ -100,7 +99,6 @@ def wait_until(done: Callable[[], bool], *, timeout_s: float, what: str, diagnos
 class CudaTransfer:
     """Copies on two side streams of one CUDA device; markers are CUDA events."""
 
-    is_async = True
     pin = True
 
     def __init__(self, device: torch.device) -> None:
@@ -156,7 +154,6 @@ class CudaTransfer:
 class SyncTransfer:
     """CPU parameters: the same calls, done synchronously; markers are ``None``."""
 
-    is_async = False
     pin = False
 
     def __init__(self, device: torch.device) -> None:
