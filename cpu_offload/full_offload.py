@@ -6,82 +6,82 @@
 # RAM; per-parameter post-accumulate-grad hooks stream gradients to the host
 # during backward, the native kernels step each chunk as soon as its last
 # gradient landed, and the new compute copy goes back during the same backward.
-# step() only waits for the tail of that work.
+#
+# The backward/step protocol is one state machine (``Phase``):
+#
+#   IDLE ──first gradient──► BACKWARD (pass j of a window of k)
+#   BACKWARD ──outermost backward ends, j < k-1──► ACCUMULATING (gradients summed on the host)
+#   BACKWARD ──outermost backward ends, j = k-1──► APPLIED (the tail is drained here:
+#                                                   every update of the window has landed)
+#   ACCUMULATING ──first gradient──► BACKWARD (pass j+1)
+#   ACCUMULATING ──step()──► IDLE (a short window: the optimizer runs on what was accumulated)
+#   ACCUMULATING ──zero_grad()──► IDLE (the window is discarded, like torch)
+#   APPLIED ──step()──► IDLE;   APPLIED ──zero_grad()──► IDLE (the update stays applied; warned once)
+#   APPLIED ──first gradient──► error: step() or zero_grad() first (state unchanged)
+#   IDLE ──step()──► IDLE (nothing to do, as torch)
+#   BACKWARD ──backward raised──► ABORTED ──next hook or call──► IDLE: the parameters whose
+#       update ran count the step (as if the others got no gradient); the rest of the window is
+#       discarded with a warning
+#   any ──close()──► CLOSED
+#
+# A worker failure is raised once on the caller's thread; the window it hit is
+# closed as after an aborted backward, and the next window works again.
 #
 # Scope: construction (checks, binding, host state, pinned rings, hooks), the
-# backward/step protocol with gradient accumulation, zero_grad, stats, close.
-# Non-goals: gradient clipping (raises), optimizers other than torch AdamW and
-# cpu_offload.SignSGD, parameters on several devices, FSDP2's
-# ``set_requires_gradient_sync(False)`` (accumulate with grad_accum_steps).
+# protocol above, zero_grad, stats, close. Non-goals: gradient clipping
+# (raises), optimizers other than torch AdamW and cpu_offload.SignSGD,
+# parameters on several devices, FSDP2's ``set_requires_gradient_sync(False)``.
 
 from __future__ import annotations
 
-import atexit
+import enum
+import math
+import os
 import time
+import warnings
 import weakref
-from typing import Iterable, Optional
+from typing import Iterable
 
 import torch
 
-from cpu_offload import checkpoint
+from cpu_offload import checkpoint, ownership
+from cpu_offload.backward_tracking import outside_backward, watch_backward
 from cpu_offload.host_state import (
     allocate_host_state, cast_to_compute, check_fsdp_not_started, check_host_ram, collect_records,
-    host_bytes_needed, local_of,
+    host_bytes_needed, local_of, restore_dtypes,
 )
-from cpu_offload.optim import SignSGD
+from cpu_offload.packing import align_up
 from cpu_offload.pipeline import Pipeline
-from cpu_offload.transfer import HostRing, align_up, make_transfer
+from cpu_offload.full_offload_setup import bind_for, check_optimizer
+from cpu_offload.transfer import HostRing, make_transfer
 from cpu_offload.wrapping import adopt_optimizer
 
-__all__ = ["FullCPUOffloadOptimizer"]
+__all__ = ["FullCPUOffloadOptimizer", "Phase"]
 
 _MIB = 1 << 20
-_UNSUPPORTED_ADAMW = ("amsgrad", "maximize", "capturable", "differentiable")
-_BOUND_PLAN: Optional[topology.BindingPlan] = None
 
 
-def _bind_for(device: torch.device, sysfs_root: str) -> topology.BindingPlan:
-    """Apply the topology binding once per process (the plan must be computed
-    before the first bind narrows the affinity, so it is cached)."""
-    # NOTE: imported here, not at the top, so `python -m cpu_offload.topology` runs a module
-    # that importing the package has not already loaded.
-    from cpu_offload import topology
-
-    global _BOUND_PLAN
-    if _BOUND_PLAN is None:
-        if device.type == "cuda":
-            local_rank, local_world = topology.local_rank_info()
-            if local_world == 1:  # not under torchrun: bind to the device actually used
-                pci = topology.gpu_pci_addresses()[device.index]
-                plan = topology.plan_for_rank(0, local_world_size=1, pci_addresses=[pci],
-                                              sysfs_root=sysfs_root, require_topology=True)
-            else:
-                plan = topology.plan_for_rank(sysfs_root=sysfs_root, require_topology=True)
-        else:  # CPU parameters: no GPU to bind to, only the thread budget
-            plan = topology.plan_for_rank(pci_addresses=[], sysfs_root=sysfs_root)
-        topology.bind(plan)
-        _BOUND_PLAN = plan
-    return _BOUND_PLAN
+class Phase(enum.Enum):
+    IDLE = "idle"
+    BACKWARD = "in a backward pass"
+    ACCUMULATING = "in the middle of an accumulation window"
+    APPLIED = "after the window's last backward pass, before step()"
+    ABORTED = "after a backward pass that raised"
+    CLOSED = "closed"
 
 
-def _check_optimizer(optimizer) -> str:
-    if type(optimizer) is torch.optim.AdamW:
-        for g, group in enumerate(optimizer.param_groups):
-            for key in _UNSUPPORTED_ADAMW:
-                if group.get(key):
-                    raise ValueError(f"full offload cannot honour AdamW option {key}=True (param_groups[{g}])")
-        return "adamw"
-    if type(optimizer) is SignSGD:
-        return "sign_sgd"
-    raise TypeError(
-        f"offload='full' supports torch.optim.AdamW and cpu_offload.SignSGD, got {type(optimizer).__name__}"
-    )
-
-
-def _close_at_exit(ref) -> None:
-    opt = ref()
-    if opt is not None:
-        opt.close()
+def _shutdown(records, pipeline, transfer) -> None:
+    """Release what a wrapper holds; must not reference the wrapper (it runs from a finalizer)."""
+    for rec in records:
+        if rec.hook is not None:
+            rec.hook.remove()
+            rec.hook = None
+    ownership.release(rec.param for rec in records)
+    pipeline.close()
+    try:
+        transfer.synchronize()
+    except Exception:  # the device may already be gone at interpreter exit
+        pass
 
 
 class FullCPUOffloadOptimizer(torch.optim.Optimizer):
@@ -89,9 +89,9 @@ class FullCPUOffloadOptimizer(torch.optim.Optimizer):
     during backward.
 
     After construction the model's trainable parameters hold their compute copy
-    (cast in place), and ``param.grad`` is always ``None`` after backward: the
+    (cast in place), and ``param.grad`` is ``None`` after backward: the
     gradients went to the host. Call ``step()`` after every ``grad_accum_steps``
-    backward passes.
+    backward passes (after fewer, it steps on what was accumulated).
 
     Args:
         optimizer: the optimizer to wrap (its ``param_groups`` dicts are shared,
@@ -119,8 +119,8 @@ class FullCPUOffloadOptimizer(torch.optim.Optimizer):
         timeout_s: float = 600.0,
         sysfs_root: str = "/sys",
     ) -> None:
-        self._closed = True  # until fully constructed: close() is a no-op
-        self._algorithm = _check_optimizer(optimizer)
+        self._phase = Phase.CLOSED  # until fully constructed
+        self._algorithm = check_optimizer(optimizer)
         if isinstance(grad_accum_steps, bool) or not isinstance(grad_accum_steps, int) or grad_accum_steps < 1:
             raise ValueError(f"grad_accum_steps must be an int >= 1, got {grad_accum_steps!r}")
         if compute_dtype not in (torch.bfloat16, torch.float32):
@@ -131,91 +131,93 @@ class FullCPUOffloadOptimizer(torch.optim.Optimizer):
             raise ValueError(f"pinned_bytes must be an int >= {2 * num_slots * 4096} (num_slots={num_slots}), got {pinned_bytes!r}")
         if not timeout_s > 0:
             raise ValueError(f"timeout_s must be > 0, got {timeout_s!r}")
+        records, frozen = collect_records(optimizer)
+        ownership.check_unowned(records)
+        ownership.check_not_cast(records)
+        ownership.check_not_ddp(records)
+        check_fsdp_not_started(records)
+        keep = {id(p) for p in keep_fp32}
+        device = records[0].local().device
+        # Staging: slots no larger than the largest need (small models), rings bounded.
+        grad_bytes = sum(r.numel * (4 if id(r.param) in keep or compute_dtype == torch.float32 else 2)
+                         for r in records)
+        slot_bytes = min(pinned_bytes // (2 * num_slots), align_up(grad_bytes + 64 * len(records), 4096))
+        moments = self._algorithm == "adamw"
+        accumulate = grad_accum_steps > 1
+        check_host_ram(host_bytes_needed(records, moments=moments, accumulate=accumulate), 2 * num_slots * slot_bytes)
+
+        self.binding = bind_for(device, sysfs_root)  # before any host state is touched
+        self._host = allocate_host_state(records, moments=moments, accumulate=accumulate)
+        transfer = make_transfer(device)
+        # NOTE: the pinned rings are allocated before anything touches the model,
+        # so a failed allocation leaves the parameters as they were.
+        d2h = HostRing("d2h", num_slots=num_slots, slot_bytes=slot_bytes, pin=transfer.pin)
+        h2d = HostRing("h2d", num_slots=num_slots, slot_bytes=slot_bytes, pin=transfer.pin)
+        originals: dict = {}
+        try:
+            originals = cast_to_compute(records, compute_dtype=compute_dtype, keep_fp32=keep)
+            self._pipeline = Pipeline(transfer=transfer, algorithm=self._algorithm, d2h=d2h, h2d=h2d,
+                                      accumulate=accumulate, timeout_s=float(timeout_s))
+            ref = weakref.ref(self)
+            for rec in records:
+                rec.hook = rec.param.register_post_accumulate_grad_hook(
+                    lambda param, rec=rec: None if (w := ref()) is None else w._on_grad(rec, param))
+        except BaseException:
+            for rec in records:
+                if rec.hook is not None:
+                    rec.hook.remove()
+                    rec.hook = None
+            restore_dtypes(records, originals)
+            if hasattr(self, "_pipeline"):
+                self._pipeline.close()
+            raise
+        ownership.claim(records, self)
+        for rec in records:
+            if id(rec.param) in originals:
+                ownership.mark_cast(rec.param, originals[id(rec.param)])
         adopt_optimizer(self, optimizer)
         self.grad_accum_steps = grad_accum_steps
         self.timeout_s = float(timeout_s)
-        self._accumulate = grad_accum_steps > 1
-
-        self._records, self._frozen = collect_records(optimizer)
-        check_fsdp_not_started(self._records)
-        keep = {id(p) for p in keep_fp32}
-        device = self._records[0].local().device
-        self.binding = _bind_for(device, sysfs_root)  # before any host state is touched
-
-        # Staging: slots no larger than the largest need (small models), rings bounded.
-        grad_bytes = sum(r.numel * (4 if id(r.param) in keep or compute_dtype == torch.float32 else 2)
-                         for r in self._records)
-        slot_bytes = min(pinned_bytes // (2 * num_slots), align_up(grad_bytes + 64 * len(self._records), 4096))
-        moments = self._algorithm == "adamw"
-        check_host_ram(host_bytes_needed(self._records, moments=moments, accumulate=self._accumulate),
-                       2 * num_slots * slot_bytes)
-        self._host = allocate_host_state(self._records, moments=moments, accumulate=self._accumulate)
-        cast_to_compute(self._records, compute_dtype=compute_dtype, keep_fp32=keep)
-        self._transfer = make_transfer(device)
-        d2h = HostRing("d2h", num_slots=num_slots, slot_bytes=slot_bytes, pin=self._transfer.pin)
-        h2d = HostRing("h2d", num_slots=num_slots, slot_bytes=slot_bytes, pin=self._transfer.pin)
-        self._pipeline = Pipeline(transfer=self._transfer, algorithm=self._algorithm, d2h=d2h, h2d=h2d,
-                                  accumulate=self._accumulate, timeout_s=self.timeout_s)
+        self._records, self._frozen = records, frozen
+        self._accumulate = accumulate
+        self._transfer = transfer
         self._pinned_bytes = d2h.nbytes + h2d.nbytes
-        self._micro = 0
-        self._in_backward = False
+        self._pid = os.getpid()
+        self._micro = 0  # backward passes completed in the open window
+        self._final = False  # the running backward is the window's last
+        self._gen = 0  # identifies the watched backward; stale signals carry an older one
+        self._died = -1  # generation of a backward that raised, until recovered
+        self._zero_fill = False  # zero_grad(set_to_none=False): step grad-less parameters with zeros
+        self._warned_zero_grad = False
+        self._blocked_s = 0.0
         self._last_stats: dict = {}
-        ref = weakref.ref(self)
-        for rec in self._records:
-            rec.hook = rec.param.register_post_accumulate_grad_hook(
-                lambda param, rec=rec: ref()._on_grad(rec, param) if ref() is not None else None
-            )
-        self._closed = False
-        atexit.register(_close_at_exit, ref)
+        self._note_versions(records)
+        self._finalizer = weakref.finalize(self, _shutdown, records, self._pipeline, transfer)
+        self._phase = Phase.IDLE
 
     # ------------------------------------------------------------ backward
-    def _snapshot_hparams(self) -> list:
-        snap = []
-        for group in self.param_groups:
-            hp = {"lr": float(group["lr"]), "weight_decay": float(group["weight_decay"])}
-            if self._algorithm == "adamw":
-                hp.update(beta1=float(group["betas"][0]), beta2=float(group["betas"][1]), eps=float(group["eps"]))
-            snap.append(hp)
-        return snap
-
-    def _begin_backward(self) -> None:
-        k = self.grad_accum_steps
-        if self._micro >= k:
-            raise RuntimeError(
-                f"backward pass {self._micro + 1} since the last step(), but grad_accum_steps={k}: "
-                f"call step() after every {k} backward pass{'es' if k > 1 else ''}"
-            )
-        final = self._micro == k - 1
-        # NOTE: hyper-parameters are read when the last backward of a window
-        # starts (the chunks are stepped during it), so an LR scheduler stepped
-        # after step() applies to the next step, as with torch.
-        hparams = self._snapshot_hparams() if final else None
-        self._pipeline.begin_backward(micro=self._micro, final=final, hparams=hparams)
-        self._in_backward = True
-        ref = weakref.ref(self)
-        torch.autograd.Variable._execution_engine.queue_callback(
-            lambda: ref()._end_backward() if ref() is not None else None
-        )
-
-    def _end_backward(self) -> None:
-        self._in_backward = False
-        leftovers = []
-        if self._accumulate and self._micro == self.grad_accum_steps - 1:
-            leftovers = [r for r in self._records if r.has_accum and r.arrived != self._micro]
-        self._pipeline.end_backward(leftovers)
-        self._micro += 1
-
     @torch.no_grad()
     def _on_grad(self, rec, param) -> None:
-        self._check_open()
-        self._pipeline.check()
-        if not self._in_backward:
+        ownership.check_same_process(self._pid)
+        self._settle(in_backward=True)
+        if self._phase is Phase.APPLIED:
+            param.grad = None
+            raise RuntimeError(
+                f"a backward pass started after the last one of the window (grad_accum_steps="
+                f"{self.grad_accum_steps}) had already applied its update, before step(): call step() "
+                "(or zero_grad()) after every window; full offload updates the weights during backward"
+            )
+        if self._phase is not Phase.BACKWARD:
             self._begin_backward()
-        if param.grad is None:
+        grad = param.grad
+        if grad is None:
             return
+        if grad.layout != torch.strided:
+            raise TypeError(f"the gradient of {rec.name} is {grad.layout}: full offload needs dense gradients "
+                            "(build nn.Embedding / EmbeddingBag with sparse=False)")
         if rec.arrived == self._micro:
             raise RuntimeError(f"the gradient of {rec.name} arrived twice in one backward pass")
-        grad = local_of(param.grad)
+        grad = local_of(grad)
         compute = rec.local()
         if grad.dtype != compute.dtype:
             raise RuntimeError(
@@ -224,63 +226,178 @@ class FullCPUOffloadOptimizer(torch.optim.Optimizer):
             )
         if grad.shape != rec.shape:
             raise RuntimeError(f"gradient of {rec.name} has shape {tuple(grad.shape)}, expected {tuple(rec.shape)}")
-        self._pipeline.add_grad(rec, grad.detach().reshape(-1), add=rec.has_accum)
+        self._pipeline.stage_grad(rec, grad.detach().reshape(-1), add=rec.has_accum)
         rec.arrived = self._micro
-        rec.in_step = True
         rec.has_accum = self._accumulate
+        rec.ever_grad = True
         param.grad = None  # the device copy of the gradient is no longer needed
+
+    def _begin_backward(self) -> None:
+        new_window = self._phase is Phase.IDLE
+        self._final = self._micro == self.grad_accum_steps - 1
+        self._gen += 1
+        gen, ref = self._gen, weakref.ref(self)
+        # NOTE: watched before the checks below, so that a check that raises
+        # aborts a backward whose clean-up (stale param.grad) is then recovered.
+        watch_backward(lambda: None if (w := ref()) is None else w._backward_ended(gen),
+                       lambda: None if (w := ref()) is None else w._backward_died(gen))
+        self._phase = Phase.BACKWARD
+        if new_window:
+            self._check_frozen()
+            self._adopt_external_weights()
+        # NOTE: hyper-parameters are read when the last backward of a window
+        # starts (the chunks are stepped during it), so an LR scheduler stepped
+        # after step() applies to the next step, as with torch.
+        hparams = self._snapshot_hparams() if self._final else None
+        self._pipeline.begin_backward(micro=self._micro, final=self._final, hparams=hparams)
+
+    def _backward_ended(self, gen: int) -> None:
+        if gen != self._gen or self._phase is not Phase.BACKWARD:
+            return
+        self._pipeline.end_backward()
+        if not self._final:
+            self._micro += 1
+            self._phase = Phase.ACCUMULATING
+            return
+        try:
+            self._complete_window()
+        except BaseException:
+            self._phase = Phase.ABORTED
+            self._recover(quiet=True)
+            raise
+        self._phase = Phase.APPLIED
+
+    def _backward_died(self, gen: int) -> None:
+        if gen == self._gen:
+            self._died = gen  # NOTE: may run on another thread: only record it
+
+    def _settle(self, *, in_backward: bool = False) -> None:
+        """Recover from a backward that raised; raise a pending worker failure once."""
+        if self._died == self._gen or (self._phase is Phase.BACKWARD and not in_backward and outside_backward()):
+            self._phase = Phase.ABORTED
+            self._recover()
+        err = self._pipeline.take_error()
+        if err is not None:
+            if not in_backward and self._phase in (Phase.ACCUMULATING, Phase.APPLIED):
+                self._phase = Phase.ABORTED
+                self._recover(quiet=True)
+            raise err
+
+    def _recover(self, *, quiet: bool = False) -> None:
+        """ABORTED -> IDLE: finish what was staged, count what was stepped, drop the rest."""
+        micro, final = self._micro, self._final
+        self._gen += 1  # signals of the dead backward are stale from here on
+        try:
+            try:
+                self._pipeline.resume_staging()
+            except Exception:
+                self._pipeline.drop_staging()
+            self._pipeline.drain()
+            self._transfer.compute_waits_for_h2d()
+        finally:
+            applied = [r for r in self._records if r.pieces_total and r.pieces_done == r.pieces_total]
+            torn = [r.name for r in self._records if 0 < r.pieces_done < r.pieces_total]
+            self._close_window()
+            for rec in self._records:
+                rec.param.grad = None
+            self._phase = Phase.IDLE
+        if torn:
+            raise RuntimeError(f"parameters {torn} were only partly updated when the backward pass failed; "
+                               "their masters no longer match a whole step: reload the last checkpoint")
+        if not quiet:
+            where = f"backward pass {micro + 1} of {self.grad_accum_steps}"
+            done = (f"{len(applied)} of {len(self._records)} parameters had their update applied and count this "
+                    "step (as if the others had no gradient); " if final else "")
+            warnings.warn(f"cpu_offload: {where} raised; {done}the rest of the accumulation window was discarded",
+                          RuntimeWarning, stacklevel=3)
+
+    def _complete_window(self) -> None:
+        """Queue what only lives on the host, drain, and close the window."""
+        t0 = time.perf_counter()
+        if self._zero_fill:  # torch keeps zero gradients: parameters that got none are stepped with zeros
+            for rec in self._records:
+                if rec.ever_grad and rec.pieces_total == 0 and not rec.has_accum:
+                    self._pipeline.stage_grad(rec, torch.zeros(rec.numel, dtype=rec.local().dtype), add=False)
+        self._pipeline.stage_from_host([r for r in self._records if r.has_accum and r.pieces_total == 0])
+        self._pipeline.drain()
+        self._transfer.compute_waits_for_h2d()
+        err = self._pipeline.take_error()
+        if err is not None:
+            raise err
+        self._blocked_s += time.perf_counter() - t0
+        self._note_versions([r for r in self._records if r.pieces_total])
+        self._close_window()
+
+    def _close_window(self) -> None:
+        for rec in self._records:
+            rec.reset_window()
+        self._micro = 0
+        self._final = False
 
     # ---------------------------------------------------------------- step
     def step(self, closure=None):
-        """Wait for the optimizer work of the last backward pass and return.
+        """Finish the step: wait for the optimizer work of the last backward pass.
 
-        Raises RuntimeError when fewer than ``grad_accum_steps`` backward passes
-        ran since the last step().
+        After fewer than ``grad_accum_steps`` backward passes it steps on what was
+        accumulated; with no backward pass since the last step it does nothing.
         """
-        self._check_open()
-        self._pipeline.check()
+        self._enter()
         loss = None
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
-        if self._in_backward:
+            self._enter()
+        if self._phase is Phase.BACKWARD:
             raise RuntimeError("step() called during a backward pass")
-        if self._micro < self.grad_accum_steps:
-            raise RuntimeError(
-                f"step() called after {self._micro} backward pass(es), but grad_accum_steps="
-                f"{self.grad_accum_steps}: run {self.grad_accum_steps - self._micro} more first"
-            )
+        self._check_frozen()
         t0 = time.perf_counter()
-        self._pipeline.drain()
+        if self._phase is Phase.IDLE:
+            return loss
+        passes = self.grad_accum_steps if self._phase is Phase.APPLIED else self._micro
+        if self._phase is Phase.ACCUMULATING:  # a short window
+            self._pipeline.begin_backward(micro=self._micro, final=True, hparams=self._snapshot_hparams())
+            self._final = True
+            try:
+                self._complete_window()
+            except BaseException:
+                self._phase = Phase.ABORTED
+                self._recover(quiet=True)
+                raise
+        self._transfer.set_compute_stream()
         self._transfer.compute_waits_for_h2d()
-        blocked = time.perf_counter() - t0
-        self._reset_window(count_steps=True)
+        self._phase = Phase.IDLE
         stats = dict(self._pipeline.stats)
         self._pipeline.stats.clear()
-        stats.update(step_blocked_s=blocked, pinned_bytes=self._pinned_bytes, host_bytes=self._host.nbytes,
-                     backward_passes=self.grad_accum_steps)
+        stats.update(step_blocked_s=self._blocked_s + time.perf_counter() - t0, pinned_bytes=self._pinned_bytes,
+                     host_bytes=self._host.nbytes, backward_passes=passes)
+        self._blocked_s = 0.0
         for key in ("d2h_bytes", "h2d_bytes", "chunks", "kernel_s", "accumulate_s"):
             stats.setdefault(key, 0)
         self._last_stats = stats
         return loss
 
-    def _reset_window(self, *, count_steps: bool) -> None:
-        for r in self._records:
-            if r.in_step and count_steps:
-                r.step += 1
-            r.in_step = r.has_accum = False
-            r.arrived = -1
-        self._micro = 0
-
     def zero_grad(self, set_to_none: bool = True) -> None:
-        """Gradients of offloaded parameters never stay on the device; in the
-        middle of an accumulation window this discards the window, like torch."""
-        self._check_open()
-        if self._in_backward:
+        """Drop gradients. In the middle of an accumulation window this discards
+        the window, like torch. After the window's last backward the update has
+        already been applied (full offload steps during backward): it stays
+        applied and counted, with a one-time warning.
+
+        ``set_to_none=False`` keeps torch's semantics: parameters that had a
+        gradient before are stepped with a zero gradient in later steps.
+        """
+        self._enter()
+        if self._phase is Phase.BACKWARD:
             raise RuntimeError("zero_grad() called during a backward pass")
-        if self._micro > 0:
+        if self._phase is Phase.ACCUMULATING:
             self._pipeline.drain()
-            self._reset_window(count_steps=False)
+            self._close_window()
+        elif self._phase is Phase.APPLIED and not self._warned_zero_grad:
+            self._warned_zero_grad = True
+            warnings.warn("cpu_offload: zero_grad() without step() after a window's last backward pass: full "
+                          "offload applied that update during backward; it stays applied and counts as a step",
+                          RuntimeWarning, stacklevel=2)
+        self._phase = Phase.IDLE
+        self._zero_fill = not set_to_none
         for group in self.param_groups:
             for p in group["params"]:
                 if p.grad is not None:
@@ -309,51 +426,84 @@ class FullCPUOffloadOptimizer(torch.optim.Optimizer):
         return checkpoint.state_view(self)
 
     def state_dict(self) -> dict:
-        self._check_idle("state_dict()")
+        self._check_between_steps("state_dict()")
+        self._adopt_external_weights()
         return checkpoint.state_dict(self)
 
     def load_state_dict(self, state_dict: dict) -> None:
-        self._check_idle("load_state_dict()")
+        self._check_between_steps("load_state_dict()")
         checkpoint.load_state_dict(self, state_dict)
+        self._transfer.synchronize()
+        self._note_versions(self._records)
 
     def stats(self) -> dict:
         """Figures of the last step: bytes D2H/H2D, CPU kernel seconds, seconds
-        step() blocked (the exposed cost), pinned and host bytes, chunks."""
+        the loop blocked on the optimizer's tail (the exposed cost), pinned and
+        host bytes, chunks."""
         return dict(self._last_stats)
 
-    # ------------------------------------------------------------- lifecycle
-    def _check_open(self) -> None:
-        if self._closed:
-            raise RuntimeError("this FullCPUOffloadOptimizer is closed")
+    # ------------------------------------------------------------- helpers
+    def _snapshot_hparams(self) -> list:
+        keys = ("lr", "weight_decay") + (("betas", "eps") if self._algorithm == "adamw" else ())
+        snap = []
+        for g, group in enumerate(self.param_groups):
+            values = {}
+            for key in keys:
+                items = group[key] if key == "betas" else (group[key],)
+                for i, v in enumerate(items):
+                    name = f"param_groups[{g}]['{key}']" + (f"[{i}]" if key == "betas" else "")
+                    v = float(v.item() if isinstance(v, torch.Tensor) else v)
+                    if not math.isfinite(v) or v < 0 or (key == "betas" and v >= 1):
+                        raise ValueError(f"{name} is {v}: it must be finite and >= 0"
+                                         + (" and < 1" if key == "betas" else ""))
+                    values[key if key != "betas" else f"beta{i + 1}"] = v
+            snap.append(values)
+        return snap
 
-    def _check_idle(self, what: str) -> None:
-        self._check_open()
-        self._pipeline.check()
-        if self._in_backward or self._micro > 0:
-            raise RuntimeError(f"{what} called in the middle of an accumulation window "
-                               f"({self._micro} of {self.grad_accum_steps} backward passes); call it after step()")
+    def _check_frozen(self) -> None:
+        for p in self._frozen:
+            if p.requires_grad:
+                raise RuntimeError(
+                    "a parameter that was frozen (requires_grad=False) when the optimizer was wrapped now requires "
+                    "grad; full offload built its host state at construction: set requires_grad before wrapping")
+
+    def _note_versions(self, records) -> None:
+        for rec in records:
+            local = rec.local()
+            rec.version = (local._version, local.data_ptr())
+
+    def _adopt_external_weights(self) -> None:
+        """Weights changed outside the optimizer (``model.load_state_dict``, an
+        in-place edit) win over stale masters."""
+        for rec in self._records:
+            local = rec.local()
+            if (local._version, local.data_ptr()) == rec.version:
+                continue
+            current = local.detach().reshape(-1).to("cpu")
+            if not torch.equal(current, rec.master.to(current.dtype)):
+                rec.master.copy_(current)
+            rec.version = (local._version, local.data_ptr())
+
+    def _enter(self) -> None:
+        ownership.check_same_process(self._pid)
+        if self._phase is Phase.CLOSED:
+            raise RuntimeError("this FullCPUOffloadOptimizer is closed")
+        self._settle()
+
+    def _check_between_steps(self, what: str) -> None:
+        self._enter()
+        if self._phase in (Phase.BACKWARD, Phase.ACCUMULATING):
+            raise RuntimeError(f"{what} called {self._phase.value} ({self._micro} of {self.grad_accum_steps} "
+                               "backward passes); call it after step()")
         self._pipeline.drain()
 
+    # ------------------------------------------------------------- lifecycle
     def close(self) -> None:
         """Remove the hooks, stop the worker and free the staging rings. Idempotent."""
-        if getattr(self, "_closed", True):
+        if self._phase is Phase.CLOSED:
             return
-        self._closed = True
-        for rec in self._records:
-            if rec.hook is not None:
-                rec.hook.remove()
-                rec.hook = None
-        self._pipeline.close()
-        try:
-            self._transfer.synchronize()
-        except Exception:  # the device may already be gone at interpreter exit
-            pass
-
-    def __del__(self) -> None:
-        try:
-            self.close()
-        except Exception:
-            pass
+        self._phase = Phase.CLOSED
+        self._finalizer()
 
     def __repr__(self) -> str:
         return (f"FullCPUOffloadOptimizer({type(self.optimizer).__name__}, grad_accum_steps={self.grad_accum_steps}, "

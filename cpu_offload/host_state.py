@@ -18,7 +18,8 @@ import torch
 
 __all__ = [
     "ParamRecord", "HostBuffers", "collect_records", "check_fsdp_not_started", "host_bytes_needed",
-    "check_host_ram", "allocate_host_state", "cast_to_compute", "is_dtensor", "local_of",
+    "check_host_ram", "allocate_host_state", "cast_param", "cast_to_compute", "restore_dtypes", "is_dtensor",
+    "local_of",
 ]
 
 # Elements per 64-byte line of fp32: every per-parameter view starts aligned.
@@ -61,17 +62,25 @@ class ParamRecord:
     exp_avg: Optional[torch.Tensor] = None  # m, fp32 flat host view (AdamW)
     exp_avg_sq: Optional[torch.Tensor] = None  # v, fp32 flat host view (AdamW)
     accum: Optional[torch.Tensor] = None  # fp32 flat host view (grad_accum_steps > 1)
-    step: int = 0  # completed optimizer steps for this parameter
-    # Per accumulation window (reset by step()):
+    step: int = 0  # completed optimizer steps: grows exactly when the master changed
+    version: int = -1  # the compute copy's version counter after the library last wrote it
+    ever_grad: bool = False  # received a gradient in some window (zero_grad(set_to_none=False))
+    # Per accumulation window (reset when the window closes):
     has_accum: bool = False  # ``accum`` holds the sum of this window's grads so far
     arrived: int = -1  # micro-batch index of the last gradient seen
-    in_step: bool = False  # received a gradient in this window -> step += 1
+    pieces_total: int = 0  # pieces of this window's optimizer step (0: not stepped)
+    pieces_done: int = 0  # of which the worker has stepped; step += 1 when all are done
     hook: object = field(default=None, repr=False)
 
     def local(self) -> torch.Tensor:
         """The device tensor holding the compute copy (looked up each time: FSDP2
         may replace the local tensor object when it re-pads)."""
-        return local_of(self.param)
+        return self.param._local_tensor if self.is_dtensor else self.param
+
+    def reset_window(self) -> None:
+        self.has_accum = False
+        self.arrived = -1
+        self.pieces_total = self.pieces_done = 0
 
 
 def collect_records(optimizer: torch.optim.Optimizer) -> tuple[list[ParamRecord], list[torch.nn.Parameter]]:
@@ -202,28 +211,51 @@ def allocate_host_state(records: list[ParamRecord], *, moments: bool, accumulate
     return HostBuffers(master, exp_avg, exp_avg_sq, accum)
 
 
-def cast_to_compute(records: Iterable[ParamRecord], *, compute_dtype: torch.dtype, keep_fp32: set[int]) -> None:
-    """Cast each parameter in place (same Python object) to its compute dtype.
+def cast_param(rec: ParamRecord, target: torch.dtype) -> None:
+    """Cast one parameter in place (same Python object) to ``target``."""
+    if rec.param.dtype == target:
+        return
+    with torch.no_grad():
+        if rec.is_dtensor:
+            # NOTE: a DTensor keeps its local shard in a Python attribute that
+            # ``.data =`` does not touch; swapping the whole tensor (what
+            # ``nn.Module.to`` does for tensor subclasses) keeps the Parameter
+            # object, so FSDP2's lazy init picks up the new local shard.
+            new = torch.nn.Parameter(rec.param.detach().to(target), requires_grad=rec.param.requires_grad)
+            try:
+                torch.utils.swap_tensors(rec.param, new)
+            except RuntimeError as e:
+                raise RuntimeError(
+                    f"could not cast FSDP2 parameter {rec.name} to {target} in place ({e}); "
+                    "wrap the optimizer before the model's first forward"
+                ) from e
+        else:
+            rec.param.data = rec.param.data.to(target)
 
-    Parameters whose ``id`` is in ``keep_fp32`` become (or stay) fp32.
+
+def cast_to_compute(records: Iterable[ParamRecord], *, compute_dtype: torch.dtype, keep_fp32: set[int]) -> dict:
+    """Cast each parameter in place to its compute dtype; parameters whose ``id``
+    is in ``keep_fp32`` become (or stay) fp32. Returns ``{id(param): original dtype}``
+    of the parameters it cast; on failure, restores those it had cast and raises.
     """
+    originals: dict = {}
+    try:
+        for r in records:
+            target = torch.float32 if id(r.param) in keep_fp32 else compute_dtype
+            if r.param.dtype != target:
+                originals[id(r.param)] = r.param.dtype
+                cast_param(r, target)
+    except BaseException:
+        restore_dtypes(records, originals)
+        raise
+    return originals
+
+
+def restore_dtypes(records: Iterable[ParamRecord], originals: dict) -> None:
+    """Undo ``cast_to_compute``: each cast parameter gets its master's values
+    (the exact values it had before the cast) in its original dtype."""
     for r in records:
-        target = torch.float32 if id(r.param) in keep_fp32 else compute_dtype
-        if r.param.dtype == target:
-            continue
-        with torch.no_grad():
-            if r.is_dtensor:
-                # NOTE: a DTensor keeps its local shard in a Python attribute that
-                # ``.data =`` does not touch; swapping the whole tensor (what
-                # ``nn.Module.to`` does for tensor subclasses) keeps the Parameter
-                # object, so FSDP2's lazy init picks up the new local shard.
-                new = torch.nn.Parameter(r.param.detach().to(target), requires_grad=r.param.requires_grad)
-                try:
-                    torch.utils.swap_tensors(r.param, new)
-                except RuntimeError as e:
-                    raise RuntimeError(
-                        f"could not cast FSDP2 parameter {r.name} to {target} in place ({e}); "
-                        "wrap the optimizer before the model's first forward"
-                    ) from e
-            else:
-                r.param.data = r.param.data.to(target)
+        if id(r.param) in originals:
+            cast_param(r, originals[id(r.param)])
+            with torch.no_grad():
+                r.local().view(-1).copy_(r.master)

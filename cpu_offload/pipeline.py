@@ -1,13 +1,14 @@
 # The full-offload pipeline: gradients are packed into chunks in the order they
-# arrive, each chunk's bytes go to the host through one staging slot, and a
-# worker thread runs the native kernels on whole chunks and sends the compute
-# copy back.
+# arrive, each chunk's bytes go to the host through one staging slot, and one
+# worker thread hands whole chunks to the chunk runner (accumulate or optimizer
+# step, then the compute copy back to the device).
 #
-# Scope: chunk formation (main thread, inside gradient hooks), the worker
-# thread (accumulate / optimizer step / H2D issue), error propagation to the
-# main thread, timeouts with a readable diagnostic.
-# Non-goals: hook registration and the optimizer API (full_offload.py), the
-# copy mechanics (transfer.py), the math (kernels.py).
+# Scope: chunk formation (main thread, inside gradient hooks and at window
+# ends), the queue and the worker thread, slot ownership, error hand-over to
+# the caller's thread, draining, timeouts with a readable diagnostic.
+# Non-goals: the backward/step protocol (full_offload.py), the layout rule
+# (packing.py), what is done to a chunk (chunk_runner.py), copy mechanics
+# (transfer.py).
 
 from __future__ import annotations
 
@@ -19,13 +20,12 @@ from typing import Any, Optional
 
 import torch
 
-from cpu_offload import kernels
+from cpu_offload.chunk_runner import ChunkRunner
 from cpu_offload.host_state import ParamRecord
-from cpu_offload.transfer import HostRing, Slot, align_up, wait_until
+from cpu_offload.packing import Placement, align_up, place
+from cpu_offload.transfer import HostRing, Slot, wait_until
 
 __all__ = ["Pipeline", "Piece", "Chunk"]
-
-_PLAN_CACHE_MAX = 4096
 
 
 @dataclass(eq=False)
@@ -35,7 +35,7 @@ class Piece:
     rec: ParamRecord
     start: int
     numel: int
-    offset: int  # byte offset in the D2H slot; -1: the gradient is the accumulator
+    offset: int  # byte offset in the D2H slot; -1: the gradient is the host accumulator
     dtype: torch.dtype  # gradient dtype in the slot
     add: bool  # accumulation: add to the accumulator (True) or overwrite it
 
@@ -46,7 +46,7 @@ class Chunk:
     micro: int  # micro-batch index within the accumulation window
     final: bool  # last micro-batch: run the optimizer on this chunk
     slot: Optional[Slot]
-    hparams: Optional[list]  # per-group hyper-parameters, snapshot at backward start
+    hparams: Optional[list]  # per-group hyper-parameters, snapshot at the final backward's start
     pieces: list = field(default_factory=list)
     used: int = 0  # bytes used in the slot
     marker: Any = None  # completion of the D2H copies into the slot
@@ -59,17 +59,6 @@ class Chunk:
         shown = ", ".join(names[:8]) + (f", ... ({len(names)} parameters)" if len(names) > 8 else "")
         kind = "optimizer step" if self.final else "accumulation"
         return f"chunk {self.seq} (micro-batch {self.micro}, {kind}) with parameters [{shown}]"
-
-
-@dataclass(eq=False)
-class _Plan:
-    """Per-chunk tensor lists, built once per chunk layout and reused, so the
-    kernels see the same tensor objects every step (their validation is cached)."""
-
-    accum_calls: list  # (accumulators, grads, add)
-    opt_calls: list  # (group, recs, params, grads, exp_avgs, exp_avg_sqs, steps, outs)
-    copies: list  # (rec, start, numel, out view)
-    h2d_bytes: int
 
 
 class Pipeline:
@@ -87,114 +76,138 @@ class Pipeline:
         if d2h.slot_bytes != h2d.slot_bytes:
             raise ValueError("d2h and h2d slots must have the same size")
         self.transfer = transfer
-        self.algorithm = algorithm
         self.d2h, self.h2d = d2h, h2d
-        self.accumulate = accumulate
         self.timeout_s = timeout_s
+        self.stats = collections.Counter()
         self._cv = threading.Condition()
+        self._runner = ChunkRunner(transfer=transfer, algorithm=algorithm, h2d=h2d, accumulate=accumulate,
+                                   timeout_s=timeout_s, stats=self.stats, lock=self._cv, release=self._release_input,
+                                   diagnose=self.diagnose)
         self._queue: collections.deque = collections.deque()
         self._open: Optional[Chunk] = None
         self._busy: Optional[Chunk] = None
-        self._busy_phase = ""
         self._seq = 0
         self._d2h_next = 0
-        self._h2d_next = 0
         self._cur = (0, False, None)  # (micro, final, hparams) of the running backward
         self._error: Optional[tuple] = None
+        # A parameter whose staging was interrupted: (rec, flat grad, add, placements, next index).
+        self._staging: Optional[tuple] = None
         self._stop = False
-        self._plans: dict = {}
-        self.stats = collections.Counter()
         self._thread = threading.Thread(target=self._run, name="cpu_offload-worker", daemon=True)
         self._thread.start()
 
     # ----------------------------------------------------------- main thread
-    def check(self) -> None:
-        """Raise the worker's exception (if any) on the calling thread."""
-        if self._error is not None:
-            exc, where = self._error
-            raise RuntimeError(f"cpu_offload worker failed on {where}: {type(exc).__name__}: {exc}") from exc
+    def take_error(self) -> Optional[RuntimeError]:
+        """The worker's failure as a RuntimeError naming the chunk (once), or None."""
+        with self._cv:
+            err, self._error = self._error, None
+            self._cv.notify_all()
+        if err is None:
+            return None
+        exc, where = err
+        wrapped = RuntimeError(f"cpu_offload worker failed on {where}: {type(exc).__name__}: {exc}")
+        wrapped.__cause__ = exc
+        return wrapped
+
+    def raise_error(self) -> None:
+        err = self.take_error()
+        if err is not None:
+            raise err
 
     def begin_backward(self, *, micro: int, final: bool, hparams: Optional[list]) -> None:
         self._cur = (micro, final, hparams)
 
-    def add_grad(self, rec: ParamRecord, grad: torch.Tensor, *, add: bool) -> None:
+    def stage_grad(self, rec: ParamRecord, grad: torch.Tensor, *, add: bool) -> None:
         """Stage the flat gradient ``grad`` of ``rec`` into the open chunk(s)."""
         dtype = torch.bfloat16 if grad.dtype == torch.bfloat16 else torch.float32
-        esize = 2 if dtype == torch.bfloat16 else 4
-        cap = self.d2h.slot_bytes
+        used = None if self._open is None else self._open.used
+        placements, _ = place(rec.numel, dtype.itemsize, self.d2h.slot_bytes, used)
+        if self._cur[1]:
+            # NOTE: set before any piece is queued: the runner counts the step when
+            # it has processed this many pieces, whichever chunk finishes last.
+            rec.pieces_total, rec.pieces_done = len(placements), 0
         self.transfer.grad_ready()
-        start = 0
-        while start < rec.numel:
-            chunk = self._open if self._open is not None else self._open_chunk()
-            room = (cap - chunk.used) // esize
-            remaining = rec.numel - start
-            # Keep a parameter whole when it fits in a fresh slot.
-            if start == 0 and chunk.pieces and remaining > room and remaining * esize <= cap:
-                self._close_open()
-                continue
-            if room == 0:
-                self._close_open()
-                continue
-            n = min(room, remaining)
-            piece = Piece(rec, start, n, chunk.used, dtype, add)
-            chunk.pieces.append(piece)
-            chunk.used = align_up(chunk.used + n * esize)
-            self.transfer.d2h_copy(chunk.slot.view(piece.offset, n, dtype), grad[start : start + n])
-            self.stats["d2h_bytes"] += n * esize
-            start += n
-            if chunk.used >= cap:
-                self._close_open()
+        self._staging = (rec, grad, add, placements, 0)
+        self._issue_staged()
 
-    def end_backward(self, leftovers: list) -> None:
-        """Close the open chunk; on the final micro-batch, queue the parameters
-        whose gradients only live in their accumulators (``leftovers``)."""
-        self._close_open()
-        micro, final, hparams = self._cur
-        if not (final and leftovers):
-            return
+    def resume_staging(self) -> bool:
+        """Finish a parameter whose staging an exception interrupted; True if there was one."""
+        if self._staging is None:
+            return False
+        self._issue_staged()
+        return True
+
+    def drop_staging(self) -> None:
+        self._staging = None
+
+    def _issue_staged(self) -> None:
+        rec, grad, add, placements, i = self._staging
+        dtype = torch.bfloat16 if grad.dtype == torch.bfloat16 else torch.float32
+        while i < len(placements):
+            pl: Placement = placements[i]
+            if pl.new_chunk:
+                self._close_open()
+                self._open_chunk()
+            chunk = self._open
+            chunk.pieces.append(Piece(rec, pl.start, pl.numel, pl.offset, dtype, add))
+            chunk.used = align_up(pl.offset + pl.numel * dtype.itemsize)
+            self.transfer.d2h_copy(chunk.slot.view(pl.offset, pl.numel, dtype), grad[pl.start : pl.start + pl.numel])
+            self.stats["d2h_bytes"] += pl.numel * dtype.itemsize
+            i += 1
+            self._staging = (rec, grad, add, placements, i)
+            if pl.close_after:
+                self._close_open()
+        self._staging = None
+
+    def stage_from_host(self, recs: list) -> None:
+        """Queue optimizer-step chunks for ``recs``, whose window's gradient is their
+        host accumulator (no D2H copy); the chunks are sized by the H2D slot."""
+        micro, _, hparams = self._cur
         cap = self.h2d.slot_bytes
-        chunk = None
-        for rec in leftovers:
-            esize = rec.local().element_size()
-            start = 0
-            while start < rec.numel:
-                if chunk is None or chunk.used + esize > cap:
+        chunk, used = None, None
+        for rec in recs:
+            placements, used = place(rec.numel, rec.local().element_size(), cap, used)
+            rec.pieces_total, rec.pieces_done = len(placements), 0
+            for pl in placements:
+                if pl.new_chunk:
                     if chunk is not None:
                         self._submit(chunk)
                     chunk = Chunk(self._next_seq(), micro, True, None, hparams)
-                n = min(rec.numel - start, (cap - chunk.used) // esize)
-                chunk.pieces.append(Piece(rec, start, n, -1, torch.float32, True))
-                chunk.used = align_up(chunk.used + n * esize)
-                start += n
+                chunk.pieces.append(Piece(rec, pl.start, pl.numel, -1, torch.float32, True))
         if chunk is not None:
             self._submit(chunk)
 
+    def end_backward(self) -> None:
+        """Queue the open chunk."""
+        self._close_open()
+
     def drain(self) -> None:
-        """Wait until every queued chunk has been processed."""
+        """Wait until every queued chunk has been processed and its copies have
+        completed. A worker failure stays pending for ``take_error``."""
         self._close_open()
         deadline = time.monotonic() + self.timeout_s
         with self._cv:
             while self._queue or self._busy is not None:
-                if self._error is not None:
-                    break
                 left = deadline - time.monotonic()
                 if left <= 0:
                     raise TimeoutError(f"cpu_offload: timed out after {self.timeout_s:g}s draining the pipeline\n{self._diagnose()}")
                 self._cv.wait(min(left, 0.5))
-        self.check()
         wait_until(lambda: all(self.transfer.is_done(s.marker) for s in self.h2d.slots),
                    timeout_s=self.timeout_s, what="host-to-device copies", diagnose=self.diagnose)
 
     def close(self) -> None:
+        """Stop the worker and drop the staging rings (the pinned memory is freed
+        once the last view is gone)."""
         with self._cv:
             self._stop = True
-            for chunk in self._queue:  # dropped: nobody will wait for them
-                if chunk.slot is not None and chunk.slot.owner == chunk.seq:
-                    chunk.slot.owner = None
             self._queue.clear()
             self._cv.notify_all()
         if self._thread.is_alive() and self._thread is not threading.current_thread():
             self._thread.join(timeout=self.timeout_s)
+        self._open = self._staging = None
+        self._runner.forget_plans()
+        self.d2h.free()
+        self.h2d.free()
 
     def diagnose(self) -> str:
         with self._cv:
@@ -206,7 +219,7 @@ class Pipeline:
             f"pipeline: micro-batch {micro} (final={final}), open chunk: "
             + (f"{self._open.seq} ({self._open.used}/{self.d2h.slot_bytes} bytes)" if self._open else "none"),
             f"queued chunks: {[c.seq for c in self._queue]}; worker: "
-            + (f"{self._busy.describe()} [{self._busy_phase}]" if self._busy else "idle")
+            + (f"{self._busy.describe()} [{self._runner.phase}]" if self._busy else "idle")
             + ("" if self._thread.is_alive() else " (thread not running)"),
             self.d2h.describe(),
             self.h2d.describe(),
@@ -219,12 +232,11 @@ class Pipeline:
         self._seq += 1
         return self._seq
 
-    def _open_chunk(self) -> Chunk:
+    def _open_chunk(self) -> None:
         micro, final, hparams = self._cur
         deadline = time.monotonic() + self.timeout_s
         with self._cv:
             while True:
-                self.check()
                 if self._stop:
                     raise RuntimeError("cpu_offload: the optimizer is closed")
                 n = len(self.d2h.slots)
@@ -241,7 +253,6 @@ class Pipeline:
             chunk = Chunk(self._next_seq(), micro, final, slot, hparams)
             slot.owner = chunk.seq
         self._open = chunk
-        return chunk
 
     def _close_open(self) -> None:
         chunk, self._open = self._open, None
@@ -255,11 +266,18 @@ class Pipeline:
             self._queue.append(chunk)
             self._cv.notify_all()
 
+    def _release_input(self, chunk: Chunk) -> None:
+        """The runner has read the chunk's gradients: its D2H slot may be reused
+        (called with the condition held)."""
+        if chunk.slot is not None and chunk.slot.owner == chunk.seq:
+            chunk.slot.owner = None
+            self._cv.notify_all()
+
     # --------------------------------------------------------- worker thread
     def _run(self) -> None:
         try:
             self.transfer.worker_init()
-        except BaseException as e:  # surfaces at the next hook / step()
+        except BaseException as e:  # surfaces at the next hook / public call
             self._error = (e, "worker start-up")
         while True:
             with self._cv:
@@ -268,118 +286,21 @@ class Pipeline:
                 if not self._queue:
                     return
                 chunk = self._queue.popleft()
-                self._busy, self._busy_phase = chunk, "start"
+                self._busy = chunk
+                # NOTE: after a failure the rest of the queue is skipped until the
+                # caller has taken the error; the pieces of skipped chunks are not
+                # counted, so no parameter counts a step its master did not take.
+                skip = self._error is not None
             try:
-                if self._error is None:
+                if not skip:
                     with torch.no_grad():  # grad mode is per thread
-                        self._process(chunk)
+                        self._runner.run(chunk)
             except BaseException as e:
                 with self._cv:
-                    self._error = (e, chunk.describe())
+                    if self._error is None:
+                        self._error = (e, chunk.describe())
             finally:
                 with self._cv:
-                    # NOTE: _process may have released the slot already, and the
-                    # main thread may have handed it to a newer chunk since.
-                    if chunk.slot is not None and chunk.slot.owner == chunk.seq:
-                        chunk.slot.owner = None
+                    self._release_input(chunk)
                     self._busy = None
                     self._cv.notify_all()
-
-    def _wait(self, marker: Any, what: str) -> None:
-        wait_until(lambda: self.transfer.is_done(marker), timeout_s=self.timeout_s, what=what, diagnose=self.diagnose)
-
-    def _process(self, chunk: Chunk) -> None:
-        if chunk.slot is not None:
-            self._busy_phase = "waiting for gradient copies"
-            self._wait(chunk.marker, f"the gradient copies of {chunk.describe()}")
-        out_slot = None
-        if chunk.final:
-            out_slot = self.h2d.slots[self._h2d_next]
-            self._h2d_next = (self._h2d_next + 1) % len(self.h2d.slots)
-            self._busy_phase = f"waiting for h2d slot {out_slot.index}"
-            self._wait(out_slot.marker, f"h2d slot {out_slot.index} to be copied out")
-            out_slot.owner = chunk.seq
-        plan = self._plan(chunk, out_slot)
-        self._busy_phase = "accumulate"
-        t0 = time.perf_counter()
-        for accs, grads, add in plan.accum_calls:
-            kernels.accumulate_(accs, grads, add)
-        t1 = time.perf_counter()
-        self._busy_phase = "optimizer kernel"
-        for group, recs, params, grads, m, v, steps, outs in plan.opt_calls:
-            hp = chunk.hparams[group]
-            if self.algorithm == "adamw":
-                # steps hold the counts before this step; the kernel increments
-                # them and uses step+1 in the bias corrections, like torch.
-                steps.copy_(torch.tensor([r.step for r in recs], dtype=torch.int64))
-                kernels.adamw_step(params, grads, m, v, steps, lr=hp["lr"], beta1=hp["beta1"], beta2=hp["beta2"],
-                                   eps=hp["eps"], weight_decay=hp["weight_decay"], compute_params=outs)
-            else:
-                kernels.sign_sgd_step(params, grads, lr=hp["lr"], weight_decay=hp["weight_decay"], compute_params=outs)
-        t2 = time.perf_counter()
-        with self._cv:
-            self.stats["accumulate_s"] += t1 - t0
-            self.stats["kernel_s"] += t2 - t1
-            self.stats["chunks"] += 1
-            if chunk.slot is not None and chunk.slot.owner == chunk.seq:  # the kernel has read the gradients
-                chunk.slot.owner = None
-                self._cv.notify_all()
-        if out_slot is not None:
-            self._busy_phase = "issuing h2d copies"
-            copies = [(rec.local().detach().view(-1)[start : start + n], out) for rec, start, n, out in plan.copies]
-            out_slot.marker = self.transfer.h2d_copies(copies)
-            out_slot.owner = None
-            with self._cv:
-                self.stats["h2d_bytes"] += plan.h2d_bytes
-
-    def _plan(self, chunk: Chunk, out_slot: Optional[Slot]) -> _Plan:
-        key = (
-            -1 if chunk.slot is None else chunk.slot.index,
-            -1 if out_slot is None else out_slot.index,
-            chunk.final,
-            tuple((p.rec.index, p.start, p.numel, p.offset, p.dtype, p.add) for p in chunk.pieces),
-        )
-        plan = self._plans.get(key)
-        if plan is None:
-            if len(self._plans) >= _PLAN_CACHE_MAX:
-                self._plans.clear()
-            plan = self._plans[key] = self._build_plan(chunk, out_slot)
-        return plan
-
-    def _build_plan(self, chunk: Chunk, out_slot: Optional[Slot]) -> _Plan:
-        accum: dict = collections.defaultdict(lambda: ([], []))
-        opt: dict = collections.defaultdict(lambda: ([], [], [], [], [], []))
-        copies = []
-        out_off = h2d_bytes = 0
-        for p in chunk.pieces:
-            end = p.start + p.numel
-            grad = None if p.offset < 0 else chunk.slot.view(p.offset, p.numel, p.dtype)
-            if self.accumulate and grad is not None:
-                accs, grads = accum[(p.add, p.dtype)]
-                accs.append(p.rec.accum[p.start : end])
-                grads.append(grad)
-            if not chunk.final:
-                continue
-            if self.accumulate:  # the optimizer reads the window's sum
-                grad = p.rec.accum[p.start : end]
-            cdtype = p.rec.local().dtype
-            out = out_slot.view(out_off, p.numel, cdtype)
-            out_off = align_up(out_off + p.numel * out.element_size())
-            h2d_bytes += p.numel * out.element_size()
-            recs, params, grads, m, v, outs = opt[(p.rec.group, grad.dtype, cdtype)]
-            recs.append(p.rec)
-            params.append(p.rec.master[p.start : end])
-            grads.append(grad)
-            if self.algorithm == "adamw":
-                m.append(p.rec.exp_avg[p.start : end])
-                v.append(p.rec.exp_avg_sq[p.start : end])
-            outs.append(out)
-            copies.append((p.rec, p.start, p.numel, out))
-        if out_off > (0 if out_slot is None else out_slot.nbytes):
-            raise AssertionError(f"compute copies of {chunk.describe()} overflow the h2d slot")
-        accum_calls = [(a, g, add) for (add, _), (a, g) in accum.items()]
-        opt_calls = [
-            (group, recs, params, grads, m, v, torch.zeros(len(recs), dtype=torch.int64), outs)
-            for (group, _, _), (recs, params, grads, m, v, outs) in opt.items()
-        ]
-        return _Plan(accum_calls, opt_calls, copies, h2d_bytes)

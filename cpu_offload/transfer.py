@@ -16,16 +16,9 @@ from typing import Any, Callable, Optional
 
 import torch
 
-__all__ = ["HostRing", "Slot", "CudaTransfer", "SyncTransfer", "make_transfer", "ALIGN_BYTES"]
+from cpu_offload.packing import ALIGN_BYTES, align_up
 
-# NOTE: every region handed out inside a slot starts at a multiple of 64 bytes,
-# so the native kernels see cache-line aligned tensors and regions of different
-# dtypes never share a cache line.
-ALIGN_BYTES = 64
-
-
-def align_up(nbytes: int, align: int = ALIGN_BYTES) -> int:
-    return (nbytes + align - 1) // align * align
+__all__ = ["HostRing", "Slot", "CudaTransfer", "SyncTransfer", "make_transfer", "wait_until"]
 
 
 @dataclass(eq=False)
@@ -76,7 +69,13 @@ class HostRing:
 
     @property
     def nbytes(self) -> int:
-        return self._storage.numel()
+        return 0 if self._storage is None else self._storage.numel()
+
+    def free(self) -> None:
+        """Drop the ring's memory (pinned memory returns to the allocator once the
+        last view of it is gone)."""
+        self._storage = None
+        self.slots = []
 
     def describe(self) -> str:
         parts = []
@@ -105,6 +104,11 @@ class CudaTransfer:
         self.device = device
         self.d2h_stream = torch.cuda.Stream(device)
         self.h2d_stream = torch.cuda.Stream(device)
+        self.compute_stream = torch.cuda.current_stream(device)
+
+    def set_compute_stream(self) -> None:
+        """Remember the calling thread's current stream as the one forward and backward run on."""
+        self.compute_stream = torch.cuda.current_stream(self.device)
 
     def grad_ready(self) -> None:
         """Order the D2H stream after everything queued so far on the current stream.
@@ -124,14 +128,23 @@ class CudaTransfer:
         # NOTE: the caching allocator may hand the gradient's memory to the next
         # kernel on its own stream as soon as the hook drops it; recording the
         # side stream keeps the block alive until our copy has read it.
-        src.record_stream(self.d2h_stream)
+        if src.is_cuda:
+            src.record_stream(self.d2h_stream)
 
     def d2h_marker(self) -> Any:
         return self.d2h_stream.record_event()
 
     def h2d_copies(self, copies: list) -> Any:
-        """Issue ``dst.copy_(src)`` for each pair on the H2D stream (worker thread)."""
+        """Issue ``dst.copy_(src)`` for each pair on the H2D stream (worker thread).
+
+        NOTE: the copies wait for everything queued on the compute stream so far,
+        not only up to the gradient's hook: a kernel launched after the hook that
+        still reads the old weights (a weight also used through ``.detach()``)
+        finishes first, and one launched after this call sees the bumped version
+        counter, so autograd reports it instead of reading torn weights.
+        """
         with torch.cuda.device(self.device), torch.cuda.stream(self.h2d_stream):
+            self.h2d_stream.wait_event(self.compute_stream.record_event())
             for dst, src in copies:
                 dst.copy_(src, non_blocking=True)
             return self.h2d_stream.record_event()
@@ -141,7 +154,10 @@ class CudaTransfer:
         return marker is None or marker.query()
 
     def compute_waits_for_h2d(self) -> None:
-        torch.cuda.current_stream(self.device).wait_stream(self.h2d_stream)
+        self.compute_stream.wait_stream(self.h2d_stream)
+        current = torch.cuda.current_stream(self.device)
+        if current != self.compute_stream:
+            current.wait_stream(self.h2d_stream)
 
     def synchronize(self) -> None:
         self.d2h_stream.synchronize()
@@ -158,6 +174,9 @@ class SyncTransfer:
 
     def __init__(self, device: torch.device) -> None:
         self.device = device
+
+    def set_compute_stream(self) -> None:
+        pass
 
     def grad_ready(self) -> None:
         pass

@@ -9,7 +9,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-import cpu_offload.pipeline as pipeline_mod
+import cpu_offload.chunk_runner as runner_mod
 from cpu_offload.full_offload import FullCPUOffloadOptimizer
 from cpu_offload.optim import SignSGD
 from cpu_offload.reference import adamw_reference_, sign_sgd_reference_
@@ -282,7 +282,7 @@ def test_worker_error_surfaces_with_names(monkeypatch):
         raise ValueError("injected kernel failure")
     model, opt = build("adamw")
     off = FullCPUOffloadOptimizer(opt, grad_accum_steps=2, **SMALL)
-    monkeypatch.setattr(pipeline_mod.kernels, "accumulate_", boom)
+    monkeypatch.setattr(runner_mod.kernels, "accumulate_", boom)
     x = torch.randn(2, 24, dtype=torch.bfloat16)
     # The worker fails accumulating micro-batch 0; a later hook (waiting for a
     # slot in this backward, or the next backward's first hook) reports it.
@@ -297,14 +297,14 @@ def test_worker_error_surfaces_with_names(monkeypatch):
 
 def test_timeout_has_pipeline_diagnostic(monkeypatch):
     import time
-    real = pipeline_mod.kernels.adamw_step
+    real = runner_mod.kernels.adamw_step
 
     def slow(*args, **kwargs):
         time.sleep(0.5)
         return real(*args, **kwargs)
     model, opt = build("adamw")
     off = FullCPUOffloadOptimizer(opt, timeout_s=0.1, **SMALL)
-    monkeypatch.setattr(pipeline_mod.kernels, "adamw_step", slow)
+    monkeypatch.setattr(runner_mod.kernels, "adamw_step", slow)
     with pytest.raises(TimeoutError, match=r"(?s)timed out after .*pipeline: micro-batch .*d2h ring \[.*h2d ring"):
         model(torch.randn(2, 24, dtype=torch.bfloat16)).sum().backward()
         off.step()

@@ -1,0 +1,171 @@
+# What the worker thread does to one chunk: wait for its gradient copies,
+# accumulate or run the optimizer kernel, hand the compute copy to the device,
+# and count a parameter's step once all of its pieces have been stepped.
+#
+# Scope: per-chunk work on the worker thread, the cached tensor lists the
+# kernels see. Non-goals: forming chunks, the queue and the thread
+# (pipeline.py), the math (kernels.py), the copy mechanics (transfer.py).
+
+from __future__ import annotations
+
+import collections
+import time
+from dataclasses import dataclass
+from typing import Any, Callable, Optional
+
+import torch
+
+from cpu_offload import kernels
+from cpu_offload.packing import align_up
+from cpu_offload.transfer import HostRing, Slot, wait_until
+
+__all__ = ["ChunkRunner"]
+
+_PLAN_CACHE_MAX = 4096
+
+
+@dataclass(eq=False)
+class _Plan:
+    """Per-chunk tensor lists, built once per chunk layout and reused, so the
+    kernels see the same tensor objects every step (their validation is cached)."""
+
+    accum_calls: list  # (accumulators, grads, add)
+    opt_calls: list  # (group, recs, params, grads, exp_avgs, exp_avg_sqs, steps, outs)
+    copies: list  # (rec, start, numel, out view)
+    h2d_bytes: int
+
+
+class ChunkRunner:
+    """Runs chunks on the worker thread.
+
+    Args:
+        transfer, algorithm, h2d, accumulate, timeout_s: as for the Pipeline.
+        stats: the Counter the figures go to; lock: guards it and the slots.
+        release: called (lock held) once the chunk's gradients have been read.
+        diagnose: the pipeline's diagnostic, for timeouts.
+    """
+
+    def __init__(self, *, transfer, algorithm: str, h2d: HostRing, accumulate: bool, timeout_s: float,
+                 stats: collections.Counter, lock, release: Callable, diagnose: Callable[[], str]) -> None:
+        self.transfer = transfer
+        self.algorithm = algorithm
+        self.h2d = h2d
+        self.accumulate = accumulate
+        self.timeout_s = timeout_s
+        self.stats = stats
+        self._lock = lock
+        self._release = release
+        self._diagnose = diagnose
+        self._h2d_next = 0
+        self._plans: dict = {}
+        self.phase = ""
+
+    def forget_plans(self) -> None:
+        self._plans.clear()
+
+    def _wait(self, marker: Any, what: str) -> None:
+        wait_until(lambda: self.transfer.is_done(marker), timeout_s=self.timeout_s, what=what, diagnose=self._diagnose)
+
+    def run(self, chunk) -> None:
+        if chunk.slot is not None:
+            self.phase = "waiting for gradient copies"
+            self._wait(chunk.marker, f"the gradient copies of {chunk.describe()}")
+        out_slot = None
+        if chunk.final:
+            out_slot = self.h2d.slots[self._h2d_next]
+            self._h2d_next = (self._h2d_next + 1) % len(self.h2d.slots)
+            self.phase = f"waiting for h2d slot {out_slot.index}"
+            self._wait(out_slot.marker, f"h2d slot {out_slot.index} to be copied out")
+            out_slot.owner = chunk.seq
+        try:
+            plan = self._plan(chunk, out_slot)
+            self.phase = "accumulate"
+            t0 = time.perf_counter()
+            for accs, grads, add in plan.accum_calls:
+                kernels.accumulate_(accs, grads, add)
+            t1 = time.perf_counter()
+            self.phase = "optimizer kernel"
+            for group, recs, params, grads, m, v, steps, outs in plan.opt_calls:
+                hp = chunk.hparams[group]
+                if self.algorithm == "adamw":
+                    # steps hold the counts before this step; the kernel increments
+                    # them and uses step+1 in the bias corrections, like torch.
+                    steps.copy_(torch.tensor([r.step for r in recs], dtype=torch.int64))
+                    kernels.adamw_step(params, grads, m, v, steps, lr=hp["lr"], beta1=hp["beta1"], beta2=hp["beta2"],
+                                       eps=hp["eps"], weight_decay=hp["weight_decay"], compute_params=outs)
+                else:
+                    kernels.sign_sgd_step(params, grads, lr=hp["lr"], weight_decay=hp["weight_decay"],
+                                          compute_params=outs)
+            t2 = time.perf_counter()
+            with self._lock:
+                self.stats["accumulate_s"] += t1 - t0
+                self.stats["kernel_s"] += t2 - t1
+                self.stats["chunks"] += 1
+                self._release(chunk)
+            if out_slot is not None:
+                self.phase = "issuing h2d copies"
+                copies = [(rec.local().detach().view(-1)[start : start + n], out) for rec, start, n, out in plan.copies]
+                out_slot.marker = self.transfer.h2d_copies(copies)
+                with self._lock:
+                    self.stats["h2d_bytes"] += plan.h2d_bytes
+                # NOTE: counted after the copies are issued: from here on the master,
+                # the moments and (once the copy lands) the compute copy are the new ones.
+                for p in chunk.pieces:
+                    p.rec.pieces_done += 1
+                    if p.rec.pieces_done == p.rec.pieces_total:
+                        p.rec.step += 1
+        finally:
+            if out_slot is not None:
+                out_slot.owner = None
+
+    def _plan(self, chunk, out_slot: Optional[Slot]) -> _Plan:
+        key = (
+            -1 if chunk.slot is None else chunk.slot.index,
+            -1 if out_slot is None else out_slot.index,
+            chunk.final,
+            tuple((p.rec.index, p.start, p.numel, p.offset, p.dtype, p.add) for p in chunk.pieces),
+        )
+        plan = self._plans.get(key)
+        if plan is None:
+            if len(self._plans) >= _PLAN_CACHE_MAX:
+                self._plans.clear()
+            plan = self._plans[key] = self._build_plan(chunk, out_slot)
+        return plan
+
+    def _build_plan(self, chunk, out_slot: Optional[Slot]) -> _Plan:
+        accum: dict = collections.defaultdict(lambda: ([], []))
+        opt: dict = collections.defaultdict(lambda: ([], [], [], [], [], []))
+        copies = []
+        out_off = h2d_bytes = 0
+        for p in chunk.pieces:
+            end = p.start + p.numel
+            grad = None if p.offset < 0 else chunk.slot.view(p.offset, p.numel, p.dtype)
+            if self.accumulate and grad is not None:
+                accs, grads = accum[(p.add, p.dtype)]
+                accs.append(p.rec.accum[p.start : end])
+                grads.append(grad)
+            if not chunk.final:
+                continue
+            if self.accumulate:  # the optimizer reads the window's sum
+                grad = p.rec.accum[p.start : end]
+            cdtype = p.rec.local().dtype
+            out = out_slot.view(out_off, p.numel, cdtype)
+            out_off = align_up(out_off + p.numel * out.element_size())
+            h2d_bytes += p.numel * out.element_size()
+            recs, params, grads, m, v, outs = opt[(p.rec.group, grad.dtype, cdtype)]
+            recs.append(p.rec)
+            params.append(p.rec.master[p.start : end])
+            grads.append(grad)
+            if self.algorithm == "adamw":
+                m.append(p.rec.exp_avg[p.start : end])
+                v.append(p.rec.exp_avg_sq[p.start : end])
+            outs.append(out)
+            copies.append((p.rec, p.start, p.numel, out))
+        if out_off > (0 if out_slot is None else out_slot.nbytes):
+            raise AssertionError(f"compute copies of {chunk.describe()} overflow the h2d slot")
+        accum_calls = [(a, g, add) for (add, _), (a, g) in accum.items()]
+        opt_calls = [
+            (group, recs, params, grads, m, v, torch.zeros(len(recs), dtype=torch.int64), outs)
+            for (group, _, _), (recs, params, grads, m, v, outs) in opt.items()
+        ]
+        return _Plan(accum_calls, opt_calls, copies, h2d_bytes)

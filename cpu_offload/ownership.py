@@ -1,0 +1,105 @@
+# Who may drive a parameter: full offload owns its parameters' updates, so it
+# refuses parameters that another live wrapper owns, parameters whose fp32
+# values an earlier wrapper already cast away, and models driven by DDP (whose
+# reducer would never see the gradients the hooks consume).
+#
+# Scope: a process-wide registry of owned parameters, the cast marker, the DDP
+# check, the fork check. Non-goals: anything per step.
+
+from __future__ import annotations
+
+import gc
+import os
+import threading
+import weakref
+
+import torch
+
+__all__ = ["check_unowned", "claim", "release", "mark_cast", "check_not_cast", "check_not_ddp", "check_same_process"]
+
+_lock = threading.Lock()
+_owners: dict = {}  # id(param) -> (weakref to the param, weakref to the owning wrapper)
+_CAST_ATTR = "_cpu_offload_cast_from"
+
+
+def check_unowned(records) -> None:
+    """Raise if a live wrapper already drives one of the records' parameters."""
+    with _lock:
+        for rec in records:
+            entry = _owners.get(id(rec.param))
+            if entry is not None and entry[0]() is rec.param and entry[1]() is not None:
+                raise RuntimeError(
+                    f"parameter {rec.name} is already driven by another full-offload optimizer; a parameter can "
+                    "have one owner: keep using the first one (or close() it and load its state_dict() into "
+                    "the new one) instead of wrapping again"
+                )
+
+
+def claim(records, wrapper) -> None:
+    """Register ``wrapper`` as the owner of every record's parameter.
+
+    NOTE: after the in-place cast: a tensor with a weak reference cannot be
+    swapped, and FSDP2 parameters are cast by swapping.
+    """
+    with _lock:
+        ref = weakref.ref(wrapper)
+        for rec in records:
+            _owners[id(rec.param)] = (weakref.ref(rec.param), ref)
+
+
+def release(params) -> None:
+    with _lock:
+        for p in params:
+            _owners.pop(id(p), None)
+
+
+def mark_cast(param: torch.nn.Parameter, original: torch.dtype) -> None:
+    """Remember that full offload cast this parameter from ``original``."""
+    setattr(param, _CAST_ATTR, original)
+
+
+def check_not_cast(records) -> None:
+    """Refuse parameters that an earlier full-offload optimizer cast to a lower
+    precision: their fp32 values lived in that optimizer's masters, and masters
+    must never be initialised from the cast copy."""
+    for rec in records:
+        original = getattr(rec.param, _CAST_ATTR, None)
+        if original is not None and rec.param.dtype != original and rec.param.dtype.itemsize < original.itemsize:
+            raise RuntimeError(
+                f"parameter {rec.name} was cast from {original} to {rec.param.dtype} by an earlier full-offload "
+                "optimizer, whose fp32 masters held its real values; reuse that optimizer (or load its "
+                "state_dict(), which has the masters, into this one after converting the parameters back with "
+                "model.float()), instead of wrapping the cast model again"
+            )
+
+
+def check_not_ddp(records) -> None:
+    """Refuse parameters of a module wrapped by DistributedDataParallel.
+
+    NOTE: DDP keeps no marker on its parameters, so this looks for live DDP
+    instances; it only runs when a default process group exists (DDP needs one).
+    """
+    import torch.distributed as dist
+
+    if not (dist.is_available() and dist.is_initialized()):
+        return
+    from torch.nn.parallel import DistributedDataParallel
+
+    ours = {id(r.param): r for r in records}
+    for obj in gc.get_objects():
+        if isinstance(obj, DistributedDataParallel):
+            for p in obj.module.parameters():
+                if id(p) in ours:
+                    raise RuntimeError(
+                        f"parameter {ours[id(p)].name} belongs to a DistributedDataParallel model: full offload "
+                        "consumes each gradient on the host before DDP's all-reduce, so ranks would diverge; "
+                        "shard the model with FSDP2 (fully_shard) instead, or use offload='optimizer'"
+                    )
+
+
+def check_same_process(pid: int) -> None:
+    if os.getpid() != pid:
+        raise RuntimeError(
+            f"this full-offload optimizer was built in process {pid}; after fork() its worker thread and "
+            "pinned buffers do not exist in this process: build the model and optimizer in the child"
+        )
