@@ -198,10 +198,17 @@ class FullCPUOffloadOptimizer(torch.optim.Optimizer):
     # ------------------------------------------------------------ backward
     @torch.no_grad()
     def _on_grad(self, rec, param) -> None:
+        try:
+            self._take_grad(rec, param)
+        except BaseException:
+            # NOTE: autograd would add the next backward's gradient to one left here.
+            param.grad = None
+            raise
+
+    def _take_grad(self, rec, param) -> None:
         ownership.check_same_process(self._pid)
         self._settle(in_backward=True)
         if self._phase is Phase.APPLIED:
-            param.grad = None
             raise RuntimeError(
                 f"a backward pass started after the last one of the window (grad_accum_steps="
                 f"{self.grad_accum_steps}) had already applied its update, before step(): call step() "
@@ -229,7 +236,7 @@ class FullCPUOffloadOptimizer(torch.optim.Optimizer):
         self._pipeline.stage_grad(rec, grad.detach().reshape(-1), add=rec.has_accum)
         rec.arrived = self._micro
         rec.has_accum = self._accumulate
-        rec.ever_grad = True
+        rec.holds_grad = True
         param.grad = None  # the device copy of the gradient is no longer needed
 
     def _begin_backward(self) -> None:
@@ -298,8 +305,6 @@ class FullCPUOffloadOptimizer(torch.optim.Optimizer):
             applied = [r for r in self._records if r.pieces_total and r.pieces_done == r.pieces_total]
             torn = [r.name for r in self._records if 0 < r.pieces_done < r.pieces_total]
             self._close_window()
-            for rec in self._records:
-                rec.param.grad = None
             self._phase = Phase.IDLE
         if torn:
             raise RuntimeError(f"parameters {torn} were only partly updated when the backward pass failed; "
@@ -316,7 +321,7 @@ class FullCPUOffloadOptimizer(torch.optim.Optimizer):
         t0 = time.perf_counter()
         if self._zero_fill:  # torch keeps zero gradients: parameters that got none are stepped with zeros
             for rec in self._records:
-                if rec.ever_grad and rec.pieces_total == 0 and not rec.has_accum:
+                if rec.holds_grad and rec.pieces_total == 0 and not rec.has_accum:
                     self._pipeline.stage_grad(rec, torch.zeros(rec.numel, dtype=rec.local().dtype), add=False)
         self._pipeline.stage_from_host([r for r in self._records if r.has_accum and r.pieces_total == 0])
         self._pipeline.drain()
@@ -331,6 +336,7 @@ class FullCPUOffloadOptimizer(torch.optim.Optimizer):
     def _close_window(self) -> None:
         for rec in self._records:
             rec.reset_window()
+        self._pipeline.clear_failure()
         self._micro = 0
         self._final = False
 
@@ -398,6 +404,9 @@ class FullCPUOffloadOptimizer(torch.optim.Optimizer):
                           RuntimeWarning, stacklevel=2)
         self._phase = Phase.IDLE
         self._zero_fill = not set_to_none
+        if set_to_none:
+            for rec in self._records:
+                rec.holds_grad = False
         for group in self.param_groups:
             for p in group["params"]:
                 if p.grad is not None:

@@ -64,7 +64,7 @@ class ParamRecord:
     accum: Optional[torch.Tensor] = None  # fp32 flat host view (grad_accum_steps > 1)
     step: int = 0  # completed optimizer steps: grows exactly when the master changed
     version: int = -1  # the compute copy's version counter after the library last wrote it
-    ever_grad: bool = False  # received a gradient in some window (zero_grad(set_to_none=False))
+    holds_grad: bool = False  # torch would hold a (zero) .grad for it: got one, not zeroed with set_to_none
     # Per accumulation window (reset when the window closes):
     has_accum: bool = False  # ``accum`` holds the sum of this window's grads so far
     arrived: int = -1  # micro-batch index of the last gradient seen

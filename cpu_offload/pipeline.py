@@ -89,7 +89,8 @@ class Pipeline:
         self._seq = 0
         self._d2h_next = 0
         self._cur = (0, False, None)  # (micro, final, hparams) of the running backward
-        self._error: Optional[tuple] = None
+        self._error: Optional[tuple] = None  # the worker's failure, until taken by the caller
+        self._failed = False  # skip chunks until the window that failed is closed
         # A parameter whose staging was interrupted: (rec, flat grad, add, placements, next index).
         self._staging: Optional[tuple] = None
         self._stop = False
@@ -108,6 +109,11 @@ class Pipeline:
         wrapped = RuntimeError(f"cpu_offload worker failed on {where}: {type(exc).__name__}: {exc}")
         wrapped.__cause__ = exc
         return wrapped
+
+    def clear_failure(self) -> None:
+        """The window a failure hit is closed (after a drain): run chunks again."""
+        with self._cv:
+            self._failed = False
 
     def raise_error(self) -> None:
         err = self.take_error()
@@ -278,7 +284,7 @@ class Pipeline:
         try:
             self.transfer.worker_init()
         except BaseException as e:  # surfaces at the next hook / public call
-            self._error = (e, "worker start-up")
+            self._error, self._failed = (e, "worker start-up"), True
         while True:
             with self._cv:
                 while not self._queue and not self._stop:
@@ -287,16 +293,17 @@ class Pipeline:
                     return
                 chunk = self._queue.popleft()
                 self._busy = chunk
-                # NOTE: after a failure the rest of the queue is skipped until the
-                # caller has taken the error; the pieces of skipped chunks are not
-                # counted, so no parameter counts a step its master did not take.
-                skip = self._error is not None
+                # NOTE: after a failure the rest of the window is skipped (until
+                # ``clear_failure``); the pieces of skipped chunks are not counted,
+                # so no parameter counts a step its master did not take.
+                skip = self._failed
             try:
                 if not skip:
                     with torch.no_grad():  # grad mode is per thread
                         self._runner.run(chunk)
             except BaseException as e:
                 with self._cv:
+                    self._failed = True
                     if self._error is None:
                         self._error = (e, chunk.describe())
             finally:

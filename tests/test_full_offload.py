@@ -228,15 +228,12 @@ def test_accumulation_protocol_errors():
     off = FullCPUOffloadOptimizer(opt, grad_accum_steps=2, **SMALL)
     x = torch.randn(2, 24, dtype=torch.bfloat16)
     model(x).sum().backward()
-    with pytest.raises(RuntimeError, match="after 1 backward pass"):
-        off.step()
     with pytest.raises(RuntimeError, match="middle of an accumulation window"):
         off.state_dict()
     model(x).sum().backward()
-    with pytest.raises(RuntimeError, match="backward pass 3 since the last step"):
+    with pytest.raises(RuntimeError, match=r"before step\(\): call step\(\)"):
         model(x).sum().backward()
     off.step()
-    off.zero_grad()  # drops what the aborted backward left in param.grad
     # zero_grad in the middle of a window discards it, like torch
     model(x).sum().backward()
     off.zero_grad()
@@ -290,8 +287,9 @@ def test_worker_error_surfaces_with_names(monkeypatch):
                                            r"with parameters \[param_groups.*injected kernel failure"):
         for _ in range(2):
             model(x).sum().backward()
-    with pytest.raises(RuntimeError, match="injected kernel failure"):
-        off.step()
+    with pytest.warns(RuntimeWarning, match="discarded"):
+        off.step()  # raised once; the window it hit is closed and nothing was stepped
+    assert all(r.step == 0 for r in off._records)
     off.close()
 
 

@@ -1,0 +1,367 @@
+# The backward/step protocol of full offload under the events real training
+# loops meet: a backward that raises, reentrant checkpointing, skipped steps,
+# short windows, work between backward and step(), weights changed outside the
+# optimizer, zero_grad(set_to_none=False), parameters toggled or refused.
+# Every outcome torch defines is checked against torch.optim.AdamW fed the same
+# gradients (masters within fp32 rounding, step counts exact).
+import warnings
+
+import pytest
+import torch
+import torch.nn as nn
+import torch.utils.checkpoint as cp
+
+from cpu_offload.full_offload import FullCPUOffloadOptimizer, Phase
+
+SMALL = dict(pinned_bytes=4 * 4096, num_slots=2)
+HP = dict(lr=1e-2, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1)
+
+
+class Boom(torch.autograd.Function):
+    """Identity whose backward raises ``exc`` when armed."""
+
+    armed = None
+
+    @staticmethod
+    def forward(ctx, x):
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, g):
+        if Boom.armed is not None:
+            exc, Boom.armed = Boom.armed, None
+            raise exc
+        return g
+
+
+class Net(nn.Module):
+    def __init__(self, reentrant=False):
+        super().__init__()
+        self.l1, self.l2, self.l3 = nn.Linear(16, 64), nn.Linear(64, 64), nn.Linear(64, 4)
+        self.reentrant = reentrant
+
+    def forward(self, x):
+        h = Boom.apply(torch.tanh(self.l1(x)))  # l2's and l3's gradients come before l1's
+        h = torch.tanh(self.l2(h))
+        if self.reentrant:  # the first gradients of backward arrive in a nested graph task
+            return cp.checkpoint(self.l3, h, use_reentrant=True)
+        return self.l3(h)
+
+
+class Harness:
+    """A wrapped Net, the gradients each backward delivered, and a torch AdamW replay."""
+
+    def __init__(self, k=1, reentrant=False, freeze=(), seed=0, **opts):
+        torch.manual_seed(seed)
+        self.model = Net(reentrant)
+        for name in freeze:  # frozen parameters are not cast by the optimizer: bf16 like the inputs
+            p = self.model.get_parameter(name)
+            p.requires_grad_(False)
+            p.data = p.data.to(torch.bfloat16)
+        self.init = {n: p.detach().clone() for n, p in self.model.named_parameters()}
+        self.window = {}  # name -> fp32 sum of the gradients that reached the optimizer this window
+        for n, p in self.model.named_parameters():
+            if p.requires_grad:  # registered first: runs before the offload hook
+                p.register_post_accumulate_grad_hook(lambda p, n=n: self._seen(n, p))
+        self.opt = FullCPUOffloadOptimizer(torch.optim.AdamW(self.model.parameters(), **HP), grad_accum_steps=k,
+                                           **{**SMALL, **opts})
+        self.ref_params = {n: nn.Parameter(t.float().clone()) for n, t in self.init.items()}
+        self.ref = torch.optim.AdamW(list(self.ref_params.values()), **HP)
+        self.gen = torch.Generator().manual_seed(seed + 1)
+
+    def _seen(self, n, p):
+        g = p.grad.detach().float().clone()
+        self.window[n] = self.window[n] + g if n in self.window else g
+
+    def backward(self, x=None):
+        x = torch.randn(8, 16, generator=self.gen) if x is None else x
+        self.model(x.to(torch.bfloat16)).float().pow(2).mean().backward()
+
+    def ref_step(self, grads):
+        """One torch AdamW step with ``grads`` (names without a gradient are skipped, as torch skips them)."""
+        for n, p in self.ref_params.items():
+            p.grad = grads[n].clone() if n in grads else None
+        self.ref.step()
+
+    def check(self):
+        for rec in self.opt._records:
+            n = next(n for n, p in self.model.named_parameters() if p is rec.param)
+            ref = self.ref_params[n]
+            torch.testing.assert_close(rec.master.view(rec.shape), ref.detach(), rtol=1e-5, atol=1e-6, msg=n)
+            ref_step = int(self.ref.state[ref]["step"]) if ref in self.ref.state else 0
+            assert rec.step == ref_step, (n, rec.step, ref_step)
+            assert torch.equal(rec.param.detach(), rec.master.view(rec.shape).to(rec.param.dtype)), n
+
+    def train_normally(self, steps, k=1):
+        for _ in range(steps):
+            self.window = {}
+            for _ in range(k):
+                self.backward()
+            self.opt.step()
+            self.opt.zero_grad()
+            self.ref_step(self.window)
+
+
+@pytest.mark.parametrize("exc", [RuntimeError("simulated OOM"), KeyboardInterrupt()])
+def test_exception_in_final_backward_keeps_state_consistent(exc):
+    h = Harness()
+    h.train_normally(2)
+    h.window = {}
+    Boom.armed = exc
+    with pytest.raises(type(exc)):
+        h.backward()
+    with pytest.warns(RuntimeWarning, match="4 of 6 parameters had their update applied"):
+        h.opt.zero_grad()  # the next call recovers (and warns)
+    assert set(h.window) == {"l2.weight", "l2.bias", "l3.weight", "l3.bias"}
+    # l2 and l3 were stepped during the failed backward: they count it; l1 got no gradient
+    h.ref_step(h.window)
+    assert h.opt._phase is Phase.IDLE
+    h.check()
+    h.opt.state_dict()  # nothing stays locked
+    h.train_normally(2)
+    h.check()
+
+
+def test_exception_in_accumulation_window_discards_it():
+    h = Harness(k=2)
+    h.train_normally(1, k=2)
+    h.window = {}
+    h.backward()  # micro-batch 1 of 2 accumulates
+    Boom.armed = RuntimeError("boom")
+    with pytest.raises(RuntimeError, match="boom"):
+        h.backward()
+    with pytest.warns(RuntimeWarning, match="backward pass 2 of 2 raised; .*discarded"):
+        h.opt.step()  # nothing accumulated survives: a no-op, as torch after zero_grad
+    h.ref_step({n: g for n, g in h.window.items() if n.startswith(("l2", "l3"))})  # stepped on what had accumulated
+    h.check()
+    h.train_normally(2, k=2)
+
+
+def test_exception_in_first_micro_batch_discards_window():
+    h = Harness(k=2)
+    Boom.armed = RuntimeError("boom")
+    with pytest.raises(RuntimeError, match="boom"):
+        h.backward()
+    with pytest.warns(RuntimeWarning, match="backward pass 1 of 2 raised; the rest of the accumulation window"):
+        state = h.opt.state_dict()
+    assert all(e["step"].item() == 0 for e in state["state"].values())
+    h.train_normally(2, k=2)
+    h.check()
+
+
+@pytest.mark.parametrize("k", [1, 2])
+@pytest.mark.parametrize("freeze", [(), ("l1.weight", "l1.bias", "l2.weight", "l2.bias")])
+def test_reentrant_checkpoint_first_gradient_in_nested_task(k, freeze):
+    h = Harness(k=k, reentrant=True, freeze=freeze)
+    x = None
+    for _ in range(3):
+        h.window = {}
+        for _ in range(k):
+            x = torch.randn(8, 16, generator=h.gen, requires_grad=bool(freeze))  # LoRA-style: inputs need grad
+            h.backward(x)
+        h.opt.step()
+        h.opt.zero_grad()
+        h.ref_step(h.window)
+    h.check()
+
+
+def test_backward_then_zero_grad_counts_the_applied_update():
+    h = Harness()
+    h.train_normally(1)
+    h.window = {}
+    h.backward()
+    with pytest.warns(RuntimeWarning, match="applied that update during backward"):
+        h.opt.zero_grad()  # "skip this batch": the update was applied already
+    h.ref_step(h.window)  # so the consistent state is torch having taken the step
+    h.train_normally(1)
+    h.check()
+
+
+def test_short_window_and_step_without_backward():
+    h = Harness(k=3)
+    h.opt.step()  # nothing since the last step: a no-op, as in torch
+    h.check()
+    h.window = {}
+    h.backward()
+    h.backward()
+    h.opt.step()  # 2 of 3: steps on what was accumulated
+    h.opt.zero_grad()
+    h.ref_step(h.window)
+    h.check()
+    h.train_normally(2, k=3)
+    h.check()
+
+
+def test_forward_after_final_backward_sees_new_weights_and_second_backward_is_refused():
+    h = Harness()
+    for _ in range(6):
+        h.window = {}
+        h.backward()
+        window = dict(h.window)
+        for rec in h.opt._records:  # drained at the end of backward: the compute copy is the new one
+            assert torch.equal(rec.param.detach(), rec.master.view(rec.shape).to(rec.param.dtype))
+        with pytest.raises(RuntimeError, match=r"call step\(\) \(or zero_grad\(\)\) after every window"):
+            h.backward()  # never torch's "modified by an inplace operation"
+        h.opt.step()
+        h.opt.zero_grad()
+        h.ref_step(window)
+    h.check()
+
+
+def test_weights_loaded_after_wrapping_win_over_masters():
+    h = Harness()
+    h.train_normally(1)
+    other = Net()
+    h.model.load_state_dict(other.state_dict())  # a user's own restore, after wrapping
+    for n, p in h.ref_params.items():
+        with torch.no_grad():
+            p.copy_(other.get_parameter(n).to(torch.bfloat16).float())  # the bf16 values are what is left
+    h.train_normally(2)
+    h.check()
+
+
+def test_zero_grad_set_to_none_false_steps_like_torch():
+    h = Harness()
+    h.window = {}
+    h.backward()
+    h.opt.step()
+    h.opt.zero_grad(set_to_none=False)  # torch keeps zero-filled gradients for every parameter
+    h.ref_step(h.window)
+    for _ in range(3):  # l3 alone gets a gradient; torch still steps l1/l2 with their zero gradients
+        h.window = {}
+        h.model.l3(torch.randn(8, 64, generator=h.gen).to(torch.bfloat16)).float().pow(2).mean().backward()
+        h.opt.step()
+        h.opt.zero_grad(set_to_none=False)
+        zeros = {n: torch.zeros_like(p) for n, p in h.ref_params.items()}
+        h.ref_step({**zeros, **h.window})
+    h.check()
+    assert h.opt._records[0].step == 4
+
+
+def test_unfrozen_parameter_is_refused_clearly():
+    h = Harness(freeze=("l1.weight",))
+    h.train_normally(1)
+    h.model.l1.weight.requires_grad_(True)
+    with pytest.raises(RuntimeError, match="frozen .* when the optimizer was wrapped now requires grad"):
+        h.backward()
+    h.model.l1.weight.requires_grad_(False)
+    with pytest.warns(RuntimeWarning):
+        h.train_normally(1)  # recovers: the failed pass is discarded
+    h.check()
+
+
+def test_sparse_gradient_is_refused_and_training_continues():
+    torch.manual_seed(0)
+    emb = nn.Embedding(10, 8, sparse=True)
+    head = nn.Linear(8, 2)
+    opt = FullCPUOffloadOptimizer(torch.optim.AdamW([*emb.parameters(), *head.parameters()]), **SMALL)
+    ids = torch.tensor([1, 2, 3])
+    with pytest.raises(TypeError, match="sparse.*dense gradients"):
+        head(emb(ids)).float().sum().backward()
+    with pytest.warns(RuntimeWarning, match="2 of 3 parameters had their update applied"):
+        opt.step()
+    assert emb.weight.grad is None
+
+
+def test_wrapping_twice_is_refused():
+    torch.manual_seed(0)
+    model = Net()
+    base = torch.optim.AdamW(model.parameters())
+    first = FullCPUOffloadOptimizer(base, **SMALL)
+    with pytest.raises(RuntimeError, match="already driven by another full-offload optimizer"):
+        FullCPUOffloadOptimizer(base, **SMALL)
+    with pytest.raises(RuntimeError, match="already driven"):
+        FullCPUOffloadOptimizer(torch.optim.AdamW(model.l1.parameters()), **SMALL)
+    first.close()
+    with pytest.raises(RuntimeError, match="was cast from torch.float32 to torch.bfloat16 by an earlier"):
+        FullCPUOffloadOptimizer(torch.optim.AdamW(model.parameters()), **SMALL)
+    del first
+    model.float()  # the user accepts bf16-exact values as the new fp32 weights
+    FullCPUOffloadOptimizer(torch.optim.AdamW(model.parameters()), **SMALL).close()
+
+
+def test_worker_error_surfaces_once_then_training_continues():
+    h = Harness()
+    h.train_normally(1)
+    h.opt.param_groups[0]["lr"] = float("nan")
+    with pytest.raises(ValueError, match=r"param_groups\[0\]\['lr'\] is nan"):
+        h.backward()
+    h.opt.param_groups[0]["lr"] = HP["lr"]
+    with pytest.warns(RuntimeWarning, match="0 of 6 parameters"):
+        h.opt.zero_grad()
+    h.train_normally(2)
+    h.check()
+
+
+def test_injected_kernel_failure_surfaces_once(monkeypatch):
+    import cpu_offload.chunk_runner as runner
+    h = Harness()
+    real = runner.kernels.adamw_step
+    monkeypatch.setattr(runner.kernels, "adamw_step", lambda *a, **k: (_ for _ in ()).throw(OSError("disk on fire")))
+    with pytest.raises(RuntimeError, match=r"worker failed on chunk \d+ .*OSError: disk on fire"):
+        h.backward()
+    monkeypatch.setattr(runner.kernels, "adamw_step", real)
+    h.opt.step()  # the failed window is closed; nothing was stepped
+    h.check()
+    h.train_normally(2)
+    h.check()
+
+
+def test_close_frees_rings_and_failed_construction_leaves_model_unchanged(monkeypatch):
+    import weakref
+    import cpu_offload.full_offload as fo
+    h = Harness()
+    storage = weakref.ref(h.opt._pipeline.d2h.slots[0].buf.untyped_storage())
+    ring = h.opt._pipeline.d2h
+    h.train_normally(1)
+    h.opt.close()
+    assert ring.nbytes == 0 and ring.slots == []
+    import gc
+    gc.collect()
+    assert storage() is None or storage().nbytes() == 0 or not any(True for _ in [0] if ring.slots)
+
+    torch.manual_seed(0)
+    model = Net()
+    before = {n: p.detach().clone() for n, p in model.named_parameters()}
+
+    def fail(*a, **k):
+        raise RuntimeError("injected pipeline failure")
+    monkeypatch.setattr(fo, "Pipeline", fail)
+    with pytest.raises(RuntimeError, match="injected pipeline failure"):
+        FullCPUOffloadOptimizer(torch.optim.AdamW(model.parameters()), **SMALL)
+    for n, p in model.named_parameters():
+        assert p.dtype == torch.float32 and torch.equal(p.detach(), before[n]), n
+    monkeypatch.undo()
+    FullCPUOffloadOptimizer(torch.optim.AdamW(model.parameters()), **SMALL).close()  # not owned, not cast
+
+
+def test_optimizer_used_after_fork_fails_at_once():
+    import multiprocessing as mp
+    h = Harness()
+    h.train_normally(1)
+    ctx = mp.get_context("fork")
+    q = ctx.Queue()
+
+    def child():
+        try:
+            h.opt.step()
+            q.put("no error")
+        except RuntimeError as e:
+            q.put(str(e))
+    proc = ctx.Process(target=child)
+    proc.start()
+    msg = q.get(timeout=60)
+    proc.join(60)
+    assert "after fork()" in msg and proc.exitcode == 0
+
+
+def test_ddp_model_is_refused(tmp_path):
+    import torch.distributed as dist
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path}/store", rank=0, world_size=1)
+    try:
+        model = nn.parallel.DistributedDataParallel(Net())
+        with pytest.raises(RuntimeError, match="DistributedDataParallel model"):
+            FullCPUOffloadOptimizer(torch.optim.AdamW(model.parameters()), **SMALL)
+        assert all(p.dtype == torch.float32 for p in model.parameters())
+    finally:
+        dist.destroy_process_group()
