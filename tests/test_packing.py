@@ -1,0 +1,61 @@
+# Chunk packing (a pure function): pieces cover the tensor exactly once, in
+# order, inside the slot, aligned, and a tensor that fits a slot is never split.
+import random
+
+import pytest
+
+from cpu_offload.packing import ALIGN_BYTES, align_up, place
+
+
+def replay(sizes, esize, cap):
+    """Place tensors one after the other; return [(tensor index, chunk index, placement)]."""
+    used, chunk, out = None, -1, []
+    for t, numel in enumerate(sizes):
+        placements, after = place(numel, esize, cap, used)
+        for pl in placements:
+            if pl.new_chunk:
+                chunk += 1
+            out.append((t, chunk, pl))
+        used = after
+    return out
+
+
+@pytest.mark.parametrize("seed", range(20))
+def test_random_layouts_cover_each_tensor_once_within_slots(seed):
+    rng = random.Random(seed)
+    esize = rng.choice([2, 4])
+    cap = rng.choice([256, 1024, 4096])
+    sizes = [rng.choice([0, 1, 7, 31, 64, 300, 1000, 5000]) for _ in range(rng.randint(1, 30))]
+    layout = replay(sizes, esize, cap)
+    ends = {}
+    for t, chunk, pl in layout:
+        assert pl.start == ends.get(t, 0) and pl.numel > 0  # in order, no gap, no overlap
+        ends[t] = pl.start + pl.numel
+        assert pl.offset % ALIGN_BYTES == 0 and pl.offset + pl.numel * esize <= cap
+    assert all(ends.get(t, 0) == n for t, n in enumerate(sizes))
+    by_chunk = {}
+    for t, chunk, pl in layout:  # pieces of one chunk do not overlap
+        spans = by_chunk.setdefault(chunk, [])
+        assert all(pl.offset >= e or pl.offset + pl.numel * esize <= s for s, e in spans)
+        spans.append((pl.offset, align_up(pl.offset + pl.numel * esize)))
+    for t, n in enumerate(sizes):
+        chunks = {c for tt, c, _ in layout if tt == t}
+        if 0 < n * esize <= cap:
+            assert len(chunks) == 1, (t, n)  # fits a slot: never split
+
+
+def test_keep_whole_opens_a_fresh_chunk_and_large_tensors_continue():
+    placements, used = place(50, 2, 256, 128)  # 100 bytes fit the 128 left
+    assert [(p.new_chunk, p.offset) for p in placements] == [(False, 128)] and used is None  # now full
+    placements, used = place(80, 2, 256, 128)  # 160 bytes do not fit the 128 left, but fit a slot
+    assert [(p.new_chunk, p.offset, p.numel) for p in placements] == [(True, 0, 80)] and used == align_up(160)
+    placements, used = place(300, 2, 256, 128)  # larger than a slot: fills the open chunk first
+    assert [(p.new_chunk, p.start, p.numel, p.offset, p.close_after) for p in placements] == [
+        (False, 0, 64, 128, True), (True, 64, 128, 0, True), (True, 192, 108, 0, True)]
+    assert used is None  # 216 bytes round up to the whole slot, which is then closed
+    assert place(0, 2, 256, None) == ([], None)
+
+
+def test_bad_sizes_raise():
+    with pytest.raises(ValueError, match="bad sizes"):
+        place(10, 4, 2, None)
