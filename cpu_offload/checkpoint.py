@@ -70,23 +70,33 @@ def state_dict(opt) -> dict:
     return {"state": state, "param_groups": groups}
 
 
-def _host(value, name: str, rec: ParamRecord) -> torch.Tensor:
+def _host(value, where: str, rec: ParamRecord) -> torch.Tensor:
     if not isinstance(value, torch.Tensor):
-        raise TypeError(f"state_dict['state'][{rec.index}]['{name}'] ({rec.name}) must be a tensor, got {type(value).__name__}")
+        raise TypeError(f"{where} ({rec.name}) must be a tensor, got {type(value).__name__}")
     local = local_of(value)
-    if local.numel() != rec.numel:
-        raise ValueError(
-            f"state_dict['state'][{rec.index}]['{name}'] ({rec.name}) has {local.numel()} local elements, "
-            f"expected {rec.numel} (shape {tuple(rec.shape)})"
-        )
+    if tuple(local.shape) != tuple(rec.shape) and not (local.dim() == 1 and local.numel() == rec.numel):
+        raise ValueError(f"{where} ({rec.name}) has local shape {tuple(local.shape)}, expected {tuple(rec.shape)}")
+    if not local.is_floating_point():
+        raise TypeError(f"{where} ({rec.name}) has dtype {local.dtype}, expected a floating-point tensor")
     return local.detach().reshape(-1)
 
 
-def load_state_dict(opt, sd: dict) -> None:
-    """Restore masters, moments, step counts and group options; refresh the
-    device compute copy from the restored masters.
+def _step(value, where: str, rec: ParamRecord) -> int:
+    try:
+        step = float(torch.as_tensor(value).item())
+    except (TypeError, ValueError, RuntimeError):
+        raise TypeError(f"{where} ({rec.name}) must be a number or a one-element tensor, got {value!r}") from None
+    if not (step >= 0 and step == int(step)):
+        raise ValueError(f"{where} ({rec.name}) must be a non-negative whole number, got {step}")
+    return int(step)
 
-    A plain torch AdamW state_dict (no ``"master"``) keeps the current masters.
+
+def _validate(opt, sd: dict) -> list:
+    """Check the whole state_dict against the optimizer before anything is written.
+
+    Returns ``[(rec, step, {key: flat host tensor})]``; an entry missing from
+    ``state`` (never stepped in the saved run) gives step 0, zero moments and
+    the current master.
     """
     if not isinstance(sd, dict) or "state" not in sd or "param_groups" not in sd:
         raise ValueError("state_dict must be a dict with 'state' and 'param_groups'")
@@ -94,45 +104,64 @@ def load_state_dict(opt, sd: dict) -> None:
     if len(saved_groups) != len(opt.param_groups):
         raise ValueError(f"state_dict has {len(saved_groups)} param groups, the optimizer has {len(opt.param_groups)}")
     for g, (saved, group) in enumerate(zip(saved_groups, opt.param_groups)):
+        if not isinstance(saved, dict) or "params" not in saved:
+            raise ValueError(f"state_dict['param_groups'][{g}] must be a dict with 'params'")
         if len(saved["params"]) != len(group["params"]):
             raise ValueError(
                 f"state_dict param_groups[{g}] has {len(saved['params'])} parameters, the optimizer has {len(group['params'])}"
             )
-    # Map saved ids to our indices in order, like torch's load_state_dict.
-    id_map = {}
-    start = 0
-    for saved in saved_groups:
-        for i, saved_id in enumerate(saved["params"]):
-            id_map[start + i] = saved_id
-        start += len(saved["params"])
+    saved_ids = [i for saved in saved_groups for i in saved["params"]]  # saved id of our index k
     state = sd["state"]
+    moments = ("exp_avg", "exp_avg_sq") if opt._algorithm == "adamw" else ()
+    plan = []
     for rec in opt._records:
-        saved_id = id_map[rec.index]
+        saved_id = saved_ids[rec.index]
         entry = state.get(saved_id, state.get(str(saved_id)))
-        if entry is None:  # never stepped in the saved run
-            rec.step = 0
-            for key in ("exp_avg", "exp_avg_sq"):
-                if getattr(rec, key) is not None:
-                    getattr(rec, key).zero_()
+        if entry is None:  # never stepped in the saved run: the current master stays
+            plan.append((rec, 0, {"master": rec.master}))
             continue
-        rec.step = int(torch.as_tensor(entry["step"]).item())
-        for key in _HOST_KEYS:
-            flat = getattr(rec, key)
-            if flat is None:
-                continue
-            if key not in entry:
-                if key == "master":
-                    continue
-                raise ValueError(f"state_dict['state'][{saved_id}] ({rec.name}) has no '{key}'")
-            src = _host(entry[key], key, rec)
-            if src.data_ptr() != flat.data_ptr():  # DCP may have loaded into our own views
-                flat.copy_(src)
-    for saved, group in zip(saved_groups, opt.param_groups):
-        for k, v in saved.items():
-            if k not in ("params", "param_names"):
-                group[k] = v  # in place: LR schedulers hold these dicts
+        where = f"state_dict['state'][{saved_id}]"
+        if not isinstance(entry, dict) or "step" not in entry:
+            raise ValueError(f"{where} ({rec.name}) has no 'step'")
+        tensors = {}
+        for key in ("master",) + moments:
+            if key in entry:
+                tensors[key] = _host(entry[key], f"{where}['{key}']", rec)
+            elif key != "master":
+                raise ValueError(f"{where} ({rec.name}) has no '{key}'")
+        plan.append((rec, _step(entry["step"], f"{where}['step']", rec), tensors))
+    return plan
+
+
+def load_state_dict(opt, sd: dict) -> None:
+    """Restore masters, moments, step counts and group options; refresh the
+    device compute copy from the restored masters. All or nothing: the whole
+    state_dict is checked before anything is written.
+
+    An entry without ``"master"`` (a plain torch AdamW state_dict) takes its
+    master from the parameter's current values (kept when those are just the
+    rounded master: the master is the more precise copy of them).
+    """
+    plan = _validate(opt, sd)
     with torch.no_grad():
+        for rec, step, tensors in plan:
+            rec.step = step
+            for key in ("exp_avg", "exp_avg_sq"):
+                flat = getattr(rec, key)
+                if flat is not None and key not in tensors:
+                    flat.zero_()
+            if "master" not in tensors:  # the weights decide, unless they are round(master)
+                current = rec.local().detach().reshape(-1).to("cpu")
+                if not torch.equal(current, rec.master.to(current.dtype)):
+                    tensors["master"] = current
+            for key, src in tensors.items():
+                flat = getattr(rec, key)
+                if src.data_ptr() != flat.data_ptr():  # DCP may have loaded into our own views
+                    flat.copy_(src)
+        for saved, group in zip(sd["param_groups"], opt.param_groups):
+            for k, v in saved.items():
+                if k not in ("params", "param_names"):
+                    group[k] = v  # in place: LR schedulers hold these dicts
         for rec in opt._records:
             local = rec.local()
             local.view(-1).copy_(rec.master.to(local.dtype))  # compute copy <- round(master)
-    opt._transfer.synchronize()

@@ -343,3 +343,58 @@ def test_deepcopy_of_state_dict_is_snapshot():
     off.step()
     rec = named(model, off)["l1.weight"]
     assert not torch.equal(snap["state"][rec.index]["master"], rec.master.view(rec.shape))
+
+
+def test_load_state_dict_is_atomic_and_names_the_entry():
+    model, off, _, _ = run("adamw", 1, 2, **SMALL)
+    good = copy.deepcopy(off.state_dict())
+    before = copy.deepcopy(off.state_dict())
+    last = max(good["state"])
+    rec = next(r for r in off._records if r.index == last)
+    bad_cases = [
+        (lambda e: e.pop("step"), ValueError, "has no 'step'"),
+        (lambda e: e.pop("exp_avg_sq"), ValueError, "has no 'exp_avg_sq'"),
+        (lambda e: e.__setitem__("exp_avg", torch.zeros(rec.numel + 1)), ValueError, "local shape"),
+        (lambda e: e.__setitem__("master", torch.zeros(3, rec.numel)), ValueError, "local shape"),
+        (lambda e: e.__setitem__("step", torch.tensor(-1.0)), ValueError, "non-negative whole number"),
+        (lambda e: e.__setitem__("exp_avg", [0.0]), TypeError, "must be a tensor"),
+    ]
+    for corrupt, exc, match in bad_cases:
+        sd = copy.deepcopy(good)
+        for entry in sd["state"].values():  # every other entry changed: a partial write would show
+            entry["step"] = torch.tensor(99.0)
+            entry["exp_avg"] = entry["exp_avg"] + 1
+        corrupt(sd["state"][last])
+        with pytest.raises(exc, match=rf"state_dict\['state'\]\[{last}\].*\({rec.name}\).*{match}|{match}"):
+            off.load_state_dict(sd)
+        now = off.state_dict()
+        for i, entry in before["state"].items():
+            assert all(torch.equal(entry[k], now["state"][i][k]) for k in entry), i
+
+
+def test_plain_adamw_checkpoint_takes_masters_from_current_weights():
+    torch.manual_seed(0)
+    plain_model = Net()
+    plain = torch.optim.AdamW(plain_model.parameters(), lr=1e-2)
+    plain_model(torch.randn(4, 24)).pow(2).mean().backward()
+    plain.step()
+    model, opt = build("adamw")
+    model.load_state_dict(plain_model.state_dict())
+    off = FullCPUOffloadOptimizer(torch.optim.AdamW(model.parameters(), lr=1e-2), **SMALL)
+    off.load_state_dict(plain.state_dict())
+    with torch.no_grad():
+        model.l1.bias.add_(1.0)  # weights changed after the load win at the next state_dict()
+    bias = next(r for r in off._records if r.param is model.l1.bias)
+    assert torch.equal(off.state_dict()["state"][bias.index]["master"], model.l1.bias.detach().float())
+    with torch.no_grad():
+        model.l1.bias.sub_(1.0)
+    off.state_dict()
+    for rec in off._records:
+        if rec is bias:
+            continue
+        src = plain_model.get_parameter(next(n for n, p in model.named_parameters() if p is rec.param))
+        assert torch.equal(rec.master.view(rec.shape), src.detach())  # wrapped from the fp32 weights
+        if src in plain.state:
+            assert torch.equal(rec.exp_avg.view(rec.shape), plain.state[src]["exp_avg"]) and rec.step == 1
+        else:
+            assert rec.step == 0 and not rec.exp_avg.any()
