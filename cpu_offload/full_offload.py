@@ -35,7 +35,6 @@
 from __future__ import annotations
 
 import enum
-import math
 import os
 import time
 import warnings
@@ -47,12 +46,13 @@ import torch
 from cpu_offload import checkpoint, ownership
 from cpu_offload.backward_tracking import outside_backward, watch_backward
 from cpu_offload.host_state import (
-    allocate_host_state, cast_to_compute, check_fsdp_not_started, check_host_ram, collect_records,
-    host_bytes_needed, local_of, restore_dtypes,
+    adopt_external_weights, allocate_host_state, cast_to_compute, check_fsdp_not_started, check_host_ram,
+    collect_records, host_bytes_needed, local_of, note_versions, restore_dtypes,
 )
-from cpu_offload.packing import align_up
 from cpu_offload.pipeline import Pipeline
-from cpu_offload.full_offload_setup import bind_for, check_optimizer
+from cpu_offload.full_offload_setup import (
+    bind_for, check_optimizer, check_options, read_hparams, staging_slot_bytes,
+)
 from cpu_offload.transfer import HostRing, make_transfer
 from cpu_offload.wrapping import adopt_optimizer
 
@@ -121,16 +121,8 @@ class FullCPUOffloadOptimizer(torch.optim.Optimizer):
     ) -> None:
         self._phase = Phase.CLOSED  # until fully constructed
         self._algorithm = check_optimizer(optimizer)
-        if isinstance(grad_accum_steps, bool) or not isinstance(grad_accum_steps, int) or grad_accum_steps < 1:
-            raise ValueError(f"grad_accum_steps must be an int >= 1, got {grad_accum_steps!r}")
-        if compute_dtype not in (torch.bfloat16, torch.float32):
-            raise ValueError(f"compute_dtype must be torch.bfloat16 or torch.float32, got {compute_dtype}")
-        if not isinstance(num_slots, int) or num_slots < 1:
-            raise ValueError(f"num_slots must be an int >= 1, got {num_slots!r}")
-        if not isinstance(pinned_bytes, int) or pinned_bytes < 2 * num_slots * 4096:
-            raise ValueError(f"pinned_bytes must be an int >= {2 * num_slots * 4096} (num_slots={num_slots}), got {pinned_bytes!r}")
-        if not timeout_s > 0:
-            raise ValueError(f"timeout_s must be > 0, got {timeout_s!r}")
+        check_options(grad_accum_steps=grad_accum_steps, compute_dtype=compute_dtype, num_slots=num_slots,
+                      pinned_bytes=pinned_bytes, timeout_s=timeout_s)
         records, frozen = collect_records(optimizer)
         ownership.check_unowned(records)
         ownership.check_not_cast(records)
@@ -138,10 +130,7 @@ class FullCPUOffloadOptimizer(torch.optim.Optimizer):
         check_fsdp_not_started(records)
         keep = {id(p) for p in keep_fp32}
         device = records[0].local().device
-        # Staging: slots no larger than the largest need (small models), rings bounded.
-        grad_bytes = sum(r.numel * (4 if id(r.param) in keep or compute_dtype == torch.float32 else 2)
-                         for r in records)
-        slot_bytes = min(pinned_bytes // (2 * num_slots), align_up(grad_bytes + 64 * len(records), 4096))
+        slot_bytes = staging_slot_bytes(records, keep, compute_dtype, pinned_bytes=pinned_bytes, num_slots=num_slots)
         moments = self._algorithm == "adamw"
         accumulate = grad_accum_steps > 1
         check_host_ram(host_bytes_needed(records, moments=moments, accumulate=accumulate), 2 * num_slots * slot_bytes)
@@ -191,7 +180,7 @@ class FullCPUOffloadOptimizer(torch.optim.Optimizer):
         self._warned_zero_grad = False
         self._blocked_s = 0.0
         self._last_stats: dict = {}
-        self._note_versions(records)
+        note_versions(records)
         self._finalizer = weakref.finalize(self, _shutdown, records, self._pipeline, transfer)
         self._phase = Phase.IDLE
 
@@ -251,11 +240,11 @@ class FullCPUOffloadOptimizer(torch.optim.Optimizer):
         self._phase = Phase.BACKWARD
         if new_window:
             self._check_frozen()
-            self._adopt_external_weights()
+            adopt_external_weights(self._records)
         # NOTE: hyper-parameters are read when the last backward of a window
         # starts (the chunks are stepped during it), so an LR scheduler stepped
         # after step() applies to the next step, as with torch.
-        hparams = self._snapshot_hparams() if self._final else None
+        hparams = read_hparams(self.param_groups, self._algorithm) if self._final else None
         self._pipeline.begin_backward(micro=self._micro, final=self._final, hparams=hparams)
 
     def _backward_ended(self, gen: int) -> None:
@@ -330,7 +319,7 @@ class FullCPUOffloadOptimizer(torch.optim.Optimizer):
         if err is not None:
             raise err
         self._blocked_s += time.perf_counter() - t0
-        self._note_versions([r for r in self._records if r.pieces_total])
+        note_versions([r for r in self._records if r.pieces_total])
         self._close_window()
 
     def _close_window(self) -> None:
@@ -361,7 +350,7 @@ class FullCPUOffloadOptimizer(torch.optim.Optimizer):
             return loss
         passes = self.grad_accum_steps if self._phase is Phase.APPLIED else self._micro
         if self._phase is Phase.ACCUMULATING:  # a short window
-            self._pipeline.begin_backward(micro=self._micro, final=True, hparams=self._snapshot_hparams())
+            self._pipeline.begin_backward(micro=self._micro, final=True, hparams=read_hparams(self.param_groups, self._algorithm))
             self._final = True
             try:
                 self._complete_window()
@@ -436,14 +425,14 @@ class FullCPUOffloadOptimizer(torch.optim.Optimizer):
 
     def state_dict(self) -> dict:
         self._check_between_steps("state_dict()")
-        self._adopt_external_weights()
+        adopt_external_weights(self._records)
         return checkpoint.state_dict(self)
 
     def load_state_dict(self, state_dict: dict) -> None:
         self._check_between_steps("load_state_dict()")
         checkpoint.load_state_dict(self, state_dict)
         self._transfer.synchronize()
-        self._note_versions(self._records)
+        note_versions(self._records)
 
     def stats(self) -> dict:
         """Figures of the last step: bytes D2H/H2D, CPU kernel seconds, seconds
@@ -452,46 +441,12 @@ class FullCPUOffloadOptimizer(torch.optim.Optimizer):
         return dict(self._last_stats)
 
     # ------------------------------------------------------------- helpers
-    def _snapshot_hparams(self) -> list:
-        keys = ("lr", "weight_decay") + (("betas", "eps") if self._algorithm == "adamw" else ())
-        snap = []
-        for g, group in enumerate(self.param_groups):
-            values = {}
-            for key in keys:
-                items = group[key] if key == "betas" else (group[key],)
-                for i, v in enumerate(items):
-                    name = f"param_groups[{g}]['{key}']" + (f"[{i}]" if key == "betas" else "")
-                    v = float(v.item() if isinstance(v, torch.Tensor) else v)
-                    if not math.isfinite(v) or v < 0 or (key == "betas" and v >= 1):
-                        raise ValueError(f"{name} is {v}: it must be finite and >= 0"
-                                         + (" and < 1" if key == "betas" else ""))
-                    values[key if key != "betas" else f"beta{i + 1}"] = v
-            snap.append(values)
-        return snap
-
     def _check_frozen(self) -> None:
         for p in self._frozen:
             if p.requires_grad:
                 raise RuntimeError(
                     "a parameter that was frozen (requires_grad=False) when the optimizer was wrapped now requires "
                     "grad; full offload built its host state at construction: set requires_grad before wrapping")
-
-    def _note_versions(self, records) -> None:
-        for rec in records:
-            local = rec.local()
-            rec.version = (local._version, local.data_ptr())
-
-    def _adopt_external_weights(self) -> None:
-        """Weights changed outside the optimizer (``model.load_state_dict``, an
-        in-place edit) win over stale masters."""
-        for rec in self._records:
-            local = rec.local()
-            if (local._version, local.data_ptr()) == rec.version:
-                continue
-            current = local.detach().reshape(-1).to("cpu")
-            if not torch.equal(current, rec.master.to(current.dtype)):
-                rec.master.copy_(current)
-            rec.version = (local._version, local.data_ptr())
 
     def _enter(self) -> None:
         ownership.check_same_process(self._pid)

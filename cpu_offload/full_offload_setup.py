@@ -1,18 +1,21 @@
-# Construction-time helpers of full offload: which optimizers it can run, and
-# the one-time binding of the process's CPU work to the device's NUMA node.
+# What full offload reads from the wrapped optimizer, and the one-time binding
+# of the process's CPU work to the device's NUMA node.
 #
-# Scope: checks and binding done once per wrapper (or per process). Non-goals:
-# host state (host_state.py), the protocol (full_offload.py).
+# Scope: which optimizers it can run, their hyper-parameters (validated on the
+# caller's thread), the binding. Non-goals: host state (host_state.py), the
+# protocol (full_offload.py).
 
 from __future__ import annotations
 
+import math
 from typing import Optional
 
 import torch
 
 from cpu_offload.optim import SignSGD
+from cpu_offload.packing import align_up
 
-__all__ = ["check_optimizer", "bind_for"]
+__all__ = ["check_optimizer", "check_options", "staging_slot_bytes", "read_hparams", "bind_for"]
 
 _UNSUPPORTED_ADAMW = ("amsgrad", "maximize", "capturable", "differentiable")
 _BOUND_PLAN = None
@@ -31,6 +34,46 @@ def check_optimizer(optimizer) -> str:
     raise TypeError(
         f"offload='full' supports torch.optim.AdamW and cpu_offload.SignSGD, got {type(optimizer).__name__}"
     )
+
+
+def check_options(*, grad_accum_steps, compute_dtype, num_slots, pinned_bytes, timeout_s) -> None:
+    if isinstance(grad_accum_steps, bool) or not isinstance(grad_accum_steps, int) or grad_accum_steps < 1:
+        raise ValueError(f"grad_accum_steps must be an int >= 1, got {grad_accum_steps!r}")
+    if compute_dtype not in (torch.bfloat16, torch.float32):
+        raise ValueError(f"compute_dtype must be torch.bfloat16 or torch.float32, got {compute_dtype}")
+    if isinstance(num_slots, bool) or not isinstance(num_slots, int) or num_slots < 1:
+        raise ValueError(f"num_slots must be an int >= 1, got {num_slots!r}")
+    if isinstance(pinned_bytes, bool) or not isinstance(pinned_bytes, int) or pinned_bytes < 2 * num_slots * 4096:
+        raise ValueError(f"pinned_bytes must be an int >= {2 * num_slots * 4096} (num_slots={num_slots}), "
+                         f"got {pinned_bytes!r}")
+    if isinstance(timeout_s, bool) or not isinstance(timeout_s, (int, float)) or not timeout_s > 0:
+        raise ValueError(f"timeout_s must be a number > 0, got {timeout_s!r}")
+
+
+def staging_slot_bytes(records, keep: set, compute_dtype, *, pinned_bytes: int, num_slots: int) -> int:
+    """Slot size: a share of ``pinned_bytes``, no larger than all gradients
+    together need (small models get small rings)."""
+    grad_bytes = sum(r.numel * (4 if id(r.param) in keep or compute_dtype == torch.float32 else 2) for r in records)
+    return min(pinned_bytes // (2 * num_slots), align_up(grad_bytes + 64 * len(records), 4096))
+
+
+def read_hparams(param_groups, algorithm: str) -> list:
+    """Per-group hyper-parameters as floats, checked here so that a bad value
+    raises on the caller's thread, naming the group, before any chunk is stepped."""
+    keys = ("lr", "weight_decay") + (("betas", "eps") if algorithm == "adamw" else ())
+    snap = []
+    for g, group in enumerate(param_groups):
+        values = {}
+        for key in keys:
+            items = group[key] if key == "betas" else (group[key],)
+            for i, v in enumerate(items):
+                name = f"param_groups[{g}]['{key}']" + (f"[{i}]" if key == "betas" else "")
+                v = float(v.item() if isinstance(v, torch.Tensor) else v)
+                if not math.isfinite(v) or v < 0 or (key == "betas" and v >= 1):
+                    raise ValueError(f"{name} is {v}: it must be finite and >= 0" + (" and < 1" if key == "betas" else ""))
+                values[key if key != "betas" else f"beta{i + 1}"] = v
+        snap.append(values)
+    return snap
 
 
 def bind_for(device: torch.device, sysfs_root: str) -> "Optional[object]":

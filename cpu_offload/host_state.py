@@ -19,7 +19,7 @@ import torch
 __all__ = [
     "ParamRecord", "HostBuffers", "collect_records", "check_fsdp_not_started", "host_bytes_needed",
     "check_host_ram", "allocate_host_state", "cast_param", "cast_to_compute", "restore_dtypes", "is_dtensor",
-    "local_of",
+    "local_of", "note_versions", "adopt_external_weights",
 ]
 
 # Elements per 64-byte line of fp32: every per-parameter view starts aligned.
@@ -259,3 +259,29 @@ def restore_dtypes(records: Iterable[ParamRecord], originals: dict) -> None:
             cast_param(r, originals[id(r.param)])
             with torch.no_grad():
                 r.local().view(-1).copy_(r.master)
+
+
+def note_versions(records: Iterable[ParamRecord]) -> None:
+    """Remember each compute copy's version counter and storage after the library wrote it."""
+    for rec in records:
+        local = rec.local()
+        rec.version = (local._version, local.data_ptr())
+
+
+def adopt_external_weights(records: Iterable[ParamRecord]) -> None:
+    """Weights changed outside the optimizer (``model.load_state_dict``, an
+    in-place edit, ``.data =``) win over stale masters.
+
+    NOTE: a changed version counter or storage alone is not a change of values
+    (FSDP2 re-pads its shards at its first forward): the master is replaced only
+    when the compute copy differs from round(master), so fp32 precision is kept
+    whenever the weights were not really changed.
+    """
+    for rec in records:
+        local = rec.local()
+        if (local._version, local.data_ptr()) == rec.version:
+            continue
+        current = local.detach().reshape(-1).to("cpu")
+        if not torch.equal(current, rec.master.to(current.dtype)):
+            rec.master.copy_(current)
+        rec.version = (local._version, local.data_ptr())
