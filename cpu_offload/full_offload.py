@@ -49,6 +49,7 @@ from cpu_offload.host_state import (
     adopt_external_weights, allocate_host_state, cast_to_compute, check_fsdp_not_started, check_host_ram,
     collect_records, host_bytes_needed, local_of, note_versions, restore_dtypes,
 )
+from cpu_offload.window import finish_window, reset_window, salvage_window
 from cpu_offload.pipeline import Pipeline
 from cpu_offload.full_offload_setup import (
     bind_for, check_optimizer, check_options, read_hparams, staging_slot_bytes,
@@ -284,15 +285,8 @@ class FullCPUOffloadOptimizer(torch.optim.Optimizer):
         micro, final = self._micro, self._final
         self._gen += 1  # signals of the dead backward are stale from here on
         try:
-            try:
-                self._pipeline.resume_staging()
-            except Exception:
-                self._pipeline.drop_staging()
-            self._pipeline.drain()
-            self._transfer.compute_waits_for_h2d()
+            stepped, torn = salvage_window(self._records, self._pipeline, self._transfer)
         finally:
-            applied = [r for r in self._records if r.pieces_total and r.pieces_done == r.pieces_total]
-            torn = [r.name for r in self._records if 0 < r.pieces_done < r.pieces_total]
             self._close_window()
             self._phase = Phase.IDLE
         if torn:
@@ -300,32 +294,19 @@ class FullCPUOffloadOptimizer(torch.optim.Optimizer):
                                "their masters no longer match a whole step: reload the last checkpoint")
         if not quiet:
             where = f"backward pass {micro + 1} of {self.grad_accum_steps}"
-            done = (f"{len(applied)} of {len(self._records)} parameters had their update applied and count this "
+            done = (f"{len(stepped)} of {len(self._records)} parameters had their update applied and count this "
                     "step (as if the others had no gradient); " if final else "")
             warnings.warn(f"cpu_offload: {where} raised; {done}the rest of the accumulation window was discarded",
                           RuntimeWarning, stacklevel=3)
 
     def _complete_window(self) -> None:
-        """Queue what only lives on the host, drain, and close the window."""
         t0 = time.perf_counter()
-        if self._zero_fill:  # torch keeps zero gradients: parameters that got none are stepped with zeros
-            for rec in self._records:
-                if rec.holds_grad and rec.pieces_total == 0 and not rec.has_accum:
-                    self._pipeline.stage_grad(rec, torch.zeros(rec.numel, dtype=rec.local().dtype), add=False)
-        self._pipeline.stage_from_host([r for r in self._records if r.has_accum and r.pieces_total == 0])
-        self._pipeline.drain()
-        self._transfer.compute_waits_for_h2d()
-        err = self._pipeline.take_error()
-        if err is not None:
-            raise err
+        finish_window(self._records, self._pipeline, self._transfer, zero_fill=self._zero_fill)
         self._blocked_s += time.perf_counter() - t0
-        note_versions([r for r in self._records if r.pieces_total])
         self._close_window()
 
     def _close_window(self) -> None:
-        for rec in self._records:
-            rec.reset_window()
-        self._pipeline.clear_failure()
+        reset_window(self._records, self._pipeline)
         self._micro = 0
         self._final = False
 

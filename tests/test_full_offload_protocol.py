@@ -4,7 +4,6 @@
 # optimizer, zero_grad(set_to_none=False), parameters toggled or refused.
 # Every outcome torch defines is checked against torch.optim.AdamW fed the same
 # gradients (masters within fp32 rounding, step counts exact).
-import warnings
 
 import pytest
 import torch

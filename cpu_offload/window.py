@@ -1,0 +1,64 @@
+# Closing an accumulation window of full offload: normally (queue what only
+# lives on the host, drain, note the new weights) or after a failure (finish
+# what was staged, drain, find which parameters were stepped), then reset the
+# per-window bookkeeping.
+#
+# Scope: the work on records, pipeline and transfer that ends a window.
+# Non-goals: deciding when a window ends (full_offload.py's state machine).
+
+from __future__ import annotations
+
+import torch
+
+from cpu_offload.host_state import note_versions
+
+__all__ = ["finish_window", "salvage_window", "reset_window"]
+
+
+def finish_window(records, pipeline, transfer, *, zero_fill: bool) -> None:
+    """The window's last backward has ended (or step() closes a short window):
+    step what is only on the host, wait for every update to land on the device.
+
+    ``zero_fill``: torch keeps zero gradients after ``zero_grad(set_to_none=False)``,
+    so parameters that hold one but got no gradient are stepped with zeros.
+    """
+    if zero_fill:
+        for rec in records:
+            if rec.holds_grad and rec.pieces_total == 0 and not rec.has_accum:
+                pipeline.stage_grad(rec, torch.zeros(rec.numel, dtype=rec.local().dtype), add=False)
+    pipeline.stage_from_host([r for r in records if r.has_accum and r.pieces_total == 0])
+    pipeline.drain()
+    transfer.compute_waits_for_h2d()
+    err = pipeline.take_error()
+    if err is not None:
+        raise err
+    note_versions([r for r in records if r.pieces_total])
+
+
+def salvage_window(records, pipeline, transfer) -> tuple[list, list]:
+    """After a failure: finish staging the parameter an exception interrupted,
+    drain, and return ``(stepped records, names of partly stepped ones)``.
+
+    NOTE: a parameter counts its step only once all of its pieces were stepped
+    (the chunk runner counts), so the stepped ones are exactly those whose
+    master changed; a partly stepped one is only possible when a chunk failed
+    inside the worker after another chunk of the same parameter succeeded.
+    """
+    try:
+        try:
+            pipeline.resume_staging()
+        except Exception:
+            pipeline.drop_staging()
+        pipeline.drain()
+        transfer.compute_waits_for_h2d()
+    finally:
+        stepped = [r for r in records if r.pieces_total and r.pieces_done == r.pieces_total]
+        torn = [r.name for r in records if 0 < r.pieces_done < r.pieces_total]
+        note_versions(stepped)
+    return stepped, torn
+
+
+def reset_window(records, pipeline) -> None:
+    for rec in records:
+        rec.reset_window()
+    pipeline.clear_failure()
