@@ -4,7 +4,8 @@
 # reads ``param.grad`` (clipping, logging) keeps working.
 #
 # Scope: moving state tensors host <-> device around the wrapped optimizer's
-# own step(); state_dict / load_state_dict that keep the state on the host.
+# own step(); state_dict / load_state_dict that keep the state on the host,
+# run the hooks registered on the wrapper and keep param_groups shared.
 # Non-goals: running the optimizer on the CPU (that is offload="full"),
 # splitting one step into pieces to cap the device memory of the step itself.
 
@@ -13,7 +14,7 @@ from __future__ import annotations
 import torch
 
 from cpu_offload.host_state import is_dtensor
-from cpu_offload.wrapping import adopt_optimizer
+from cpu_offload.wrapping import adopt_optimizer, load_state_dict_with_hooks, state_dict_with_hooks
 
 __all__ = ["StateOffloadOptimizer"]
 
@@ -53,10 +54,15 @@ class StateOffloadOptimizer(torch.optim.Optimizer):
         adopt_optimizer(self, optimizer)
         self.pin_memory = torch.cuda.is_available() if pin_memory is None else bool(pin_memory)
         self._host: dict = {}  # (id(param), key) -> host tensor (the local shard for DTensors)
-        self._pending = False  # D2H copies issued and not yet waited for
+        # NOTE: a list mutated in place, never rebound: Lightning's optimizer proxy
+        # runs these methods with itself as ``self`` and reads missing attributes
+        # from the wrapper, so a rebound flag would land on the proxy.
+        self._unwaited: list = []  # CUDA events recorded after D2H copies into the host buffers
 
     @property
     def state(self):
+        """The wrapped optimizer's state; between steps its tensors are the host buffers."""
+        self._wait()  # the last step's copies into them may still be running
         return self.optimizer.state
 
     def _to_device(self) -> None:
@@ -70,6 +76,7 @@ class StateOffloadOptimizer(torch.optim.Optimizer):
                 st[key] = _rewrap(dev.copy_(host, non_blocking=True), value)
 
     def _to_host(self) -> None:
+        streams = {}
         for p, st in self.optimizer.state.items():
             device = _local(p).device
             for key, value in st.items():
@@ -87,12 +94,17 @@ class StateOffloadOptimizer(torch.optim.Optimizer):
                 # _wait() first.
                 host.copy_(local, non_blocking=self.pin_memory)
                 st[key] = _rewrap(host, value)
-                self._pending = self.pin_memory
+                if self.pin_memory and local.device.type == "cuda":
+                    streams.setdefault(local.device, torch.cuda.current_stream(local.device))
+        for stream in streams.values():
+            event = torch.cuda.Event()
+            event.record(stream)
+            self._unwaited.append(event)
 
     def _wait(self) -> None:
-        if self._pending:
-            torch.cuda.current_stream().synchronize()
-            self._pending = False
+        """Block until every D2H copy into the host buffers has landed."""
+        while self._unwaited:
+            self._unwaited.pop().synchronize()
 
     def step(self, closure=None):
         """Copy the state in, run the wrapped optimizer's step, copy it out."""
@@ -112,12 +124,38 @@ class StateOffloadOptimizer(torch.optim.Optimizer):
         self.optimizer.add_param_group(param_group)
 
     def state_dict(self) -> dict:
+        """The wrapped optimizer's state_dict (its tensors are the host buffers),
+        with the state_dict hooks registered on this wrapper run around it."""
+        return state_dict_with_hooks(self, self._build_state_dict)
+
+    def _build_state_dict(self) -> dict:
         self._wait()
         return self.optimizer.state_dict()
 
     def load_state_dict(self, state_dict: dict) -> None:
+        """Load into the wrapped optimizer, keeping ``param_groups`` the same list
+        of the same dicts; the load_state_dict hooks of this wrapper run around it."""
+        load_state_dict_with_hooks(self, state_dict, self._apply_state_dict)
+
+    def _apply_state_dict(self, state_dict: dict) -> None:
         self._wait()
+        groups = self.param_groups
+        kept = list(groups)
         self.optimizer.load_state_dict(state_dict)  # torch moves the state to the device
+        # NOTE: torch's load_state_dict installs a new list of new group dicts.
+        # LR schedulers, accelerate's AcceleratedOptimizer and this wrapper hold
+        # the old ones, so the loaded values go into those dicts (``params`` kept)
+        # and the wrapped optimizer gets the old list back: one list, the same
+        # dicts, through any number of round trips.
+        for mine, loaded in zip(kept, self.optimizer.param_groups):
+            if loaded is mine:  # the wrapped optimizer kept its dicts (a wrapper itself)
+                continue
+            params = mine["params"]
+            mine.clear()
+            mine.update(loaded)
+            mine["params"] = params
+        groups[:] = kept
+        self.optimizer.param_groups = groups
         self._to_host()
         self._wait()
 

@@ -2,16 +2,19 @@
 #
 # Scope: make a wrapper behave as a torch.optim.Optimizer without running
 # Optimizer.__init__: the same param_groups list and dicts (so LR schedulers
-# drive the wrapped optimizer), its defaults, and the hook tables torch's
-# step/state_dict machinery expects.
+# drive the wrapped optimizer), its defaults, the hook tables torch's
+# step/state_dict machinery expects, and running the state-dict hooks
+# registered on the wrapper exactly as torch.optim.Optimizer runs them.
+# Non-goals: what a wrapper's state_dict contains (its own ``build``/``apply``).
 
 from __future__ import annotations
 
 from collections import OrderedDict
+from typing import Callable
 
 import torch
 
-__all__ = ["adopt_optimizer"]
+__all__ = ["adopt_optimizer", "state_dict_with_hooks", "load_state_dict_with_hooks"]
 
 _HOOK_TABLES = ("step_pre", "step_post", "state_dict_pre", "state_dict_post",
                 "load_state_dict_pre", "load_state_dict_post")
@@ -25,3 +28,41 @@ def adopt_optimizer(wrapper: torch.optim.Optimizer, optimizer: torch.optim.Optim
     for name in _HOOK_TABLES:
         setattr(wrapper, f"_optimizer_{name}_hooks", OrderedDict())
     wrapper._patch_step_function()
+
+
+def state_dict_with_hooks(wrapper: torch.optim.Optimizer, build: Callable[[], dict]) -> dict:
+    """``build()`` between the wrapper's state_dict pre and post hooks.
+
+    As ``torch.optim.Optimizer.state_dict``: each pre hook is called as
+    ``hook(wrapper)``; each post hook as ``hook(wrapper, state_dict)`` and, when
+    it returns something other than ``None``, that becomes the state_dict the
+    next hooks see and the caller gets.
+    """
+    for pre_hook in wrapper._optimizer_state_dict_pre_hooks.values():
+        pre_hook(wrapper)
+    state_dict = build()
+    for post_hook in wrapper._optimizer_state_dict_post_hooks.values():
+        result = post_hook(wrapper, state_dict)
+        if result is not None:
+            state_dict = result
+    return state_dict
+
+
+def load_state_dict_with_hooks(wrapper: torch.optim.Optimizer, state_dict: dict,
+                               apply: Callable[[dict], None]) -> None:
+    """``apply(state_dict)`` between the wrapper's load_state_dict pre and post hooks.
+
+    As ``torch.optim.Optimizer.load_state_dict``: the pre hooks get a shallow
+    copy of the caller's dict (``hook(wrapper, state_dict)``) and one that
+    returns something other than ``None`` replaces it for the next hooks and
+    for ``apply``; then each post hook is called as ``hook(wrapper)``.
+    """
+    if isinstance(state_dict, dict):
+        state_dict = state_dict.copy()  # shallow, so hooks may edit it in place
+    for pre_hook in wrapper._optimizer_load_state_dict_pre_hooks.values():
+        result = pre_hook(wrapper, state_dict)
+        if result is not None:
+            state_dict = result
+    apply(state_dict)
+    for post_hook in wrapper._optimizer_load_state_dict_post_hooks.values():
+        post_hook(wrapper)

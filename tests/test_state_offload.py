@@ -73,3 +73,135 @@ def test_add_param_group_passes_through():
     opt.add_param_group({"params": model[2].parameters(), "lr": 1e-3})
     train(model, opt, data[:2])
     assert len(opt.state) == 4
+
+
+def test_param_groups_stay_shared_through_load_state_dict_round_trips():
+    """accelerate's prepare() and every resume run load_state_dict(state_dict()):
+    the scheduler, the wrapper and the wrapped optimizer keep editing and reading
+    one list of the same dicts, so the run stays bit-identical to plain AdamW."""
+    m1, data = model_and_data()
+    m2, _ = model_and_data()
+    plain = torch.optim.AdamW(m1.parameters(), lr=1e-2, weight_decay=0.1)
+    wrapped = StateOffloadOptimizer(torch.optim.AdamW(m2.parameters(), lr=1e-2, weight_decay=0.1))
+    groups, dicts = wrapped.param_groups, list(wrapped.param_groups)
+    scheds = [torch.optim.lr_scheduler.StepLR(o, step_size=1, gamma=0.5) for o in (plain, wrapped)]
+    for round_trip in range(4):
+        train(m1, plain, data[:2])
+        train(m2, wrapped, data[:2])
+        for opt, sched in zip((plain, wrapped), scheds):
+            if round_trip % 2:  # through bytes, as a resume does
+                buf = io.BytesIO()
+                torch.save(opt.state_dict(), buf)
+                buf.seek(0)
+                opt.load_state_dict(torch.load(buf))
+            else:  # accelerate's AcceleratedOptimizer.__init__
+                opt.load_state_dict(opt.state_dict())
+            sched.step()
+        assert wrapped.param_groups is groups and wrapped.optimizer.param_groups is groups
+        assert all(a is b for a, b in zip(groups, dicts))
+        assert wrapped.optimizer.param_groups[0]["lr"] == plain.param_groups[0]["lr"] == 1e-2 * 0.5 ** (round_trip + 1)
+        for a, b in zip(m1.parameters(), m2.parameters()):
+            assert torch.equal(a, b), f"diverged before round trip {round_trip}"
+    train(m1, plain, data[2:])
+    train(m2, wrapped, data[2:])
+    for a, b in zip(m1.parameters(), m2.parameters()):
+        assert torch.equal(a, b), "diverged after the last round trip"
+    assert set(plain.param_groups[0]) == set(groups[0])  # initial_lr and AdamW's defaults kept
+
+
+def test_load_state_dict_replaces_group_options_like_torch():
+    model, data = model_and_data()
+    opt = StateOffloadOptimizer(torch.optim.AdamW(model.parameters(), lr=1e-2))
+    train(model, opt, data[:1])
+    sd = opt.state_dict()
+    sd["param_groups"][0]["lr"] = 3e-3
+    sd["param_groups"][0]["custom"] = 1
+    opt.load_state_dict(sd)
+    assert opt.optimizer.param_groups[0]["lr"] == 3e-3 and opt.param_groups[0]["custom"] == 1
+    assert opt.param_groups[0]["params"] == list(model.parameters())
+
+
+def _hook_log(opt):
+    """Register one hook of every state-dict kind (with prepend and return values)
+    on ``opt``, run state_dict/load_state_dict, and return what was seen."""
+    log = []
+    me = lambda o: "opt" if o is opt else repr(o)  # noqa: E731
+    opt.register_state_dict_pre_hook(lambda o: log.append(("sd_pre_a", me(o))))
+    opt.register_state_dict_pre_hook(lambda o: log.append(("sd_pre_b", me(o))), prepend=True)
+
+    def post_edit(o, sd):
+        log.append(("sd_post_edit", me(o), sorted(sd)))
+        sd["edited"] = 1  # in place, returns None
+
+    def post_replace(o, sd):
+        log.append(("sd_post_replace", me(o), sorted(sd)))
+        return {**sd, "replaced": 2}
+
+    opt.register_state_dict_post_hook(post_edit)
+    opt.register_state_dict_post_hook(post_replace)
+    opt.register_state_dict_post_hook(lambda o, sd: log.append(("sd_post_last", me(o), sorted(sd))))
+    sd = opt.state_dict()
+    log.append(("state_dict returned", sorted(sd)))
+
+    passed = {"state": sd["state"], "param_groups": sd["param_groups"]}
+
+    def load_pre_edit(o, sd_in):
+        log.append(("load_pre_edit", me(o), sd_in is passed, sorted(sd_in)))
+        sd_in["seen"] = True  # on the shallow copy: the caller's dict is untouched
+
+    def load_pre_replace(o, sd_in):
+        log.append(("load_pre_replace", me(o), sorted(sd_in)))
+        groups = [dict(g, lr=0.125) for g in sd_in["param_groups"]]
+        return {"state": sd_in["state"], "param_groups": groups}
+
+    opt.register_load_state_dict_pre_hook(load_pre_replace)
+    opt.register_load_state_dict_pre_hook(load_pre_edit, prepend=True)
+    opt.register_load_state_dict_pre_hook(lambda o, sd_in: log.append(("load_pre_last", sorted(sd_in))))
+    opt.register_load_state_dict_post_hook(lambda o: log.append(("load_post_a", me(o), o.param_groups[0]["lr"])))
+    handle = opt.register_load_state_dict_post_hook(lambda o: log.append(("removed",)))
+    opt.register_load_state_dict_post_hook(lambda o: log.append(("load_post_b", me(o))), prepend=True)
+    handle.remove()
+    opt.load_state_dict(passed)
+    log.append(("caller's dict", sorted(passed)))
+    return log
+
+
+def test_state_dict_hooks_run_as_torch_runs_them():
+    m1, data = model_and_data()
+    m2, _ = model_and_data()
+    plain = torch.optim.AdamW(m1.parameters(), lr=1e-2)
+    wrapped = StateOffloadOptimizer(torch.optim.AdamW(m2.parameters(), lr=1e-2))
+    train(m1, plain, data[:1])
+    train(m2, wrapped, data[:1])
+    expected = _hook_log(plain)
+    assert [entry[0] for entry in expected] == [
+        "sd_pre_b", "sd_pre_a", "sd_post_edit", "sd_post_replace", "sd_post_last", "state_dict returned",
+        "load_pre_edit", "load_pre_replace", "load_pre_last", "load_post_b", "load_post_a", "caller's dict"]
+    assert _hook_log(wrapped) == expected
+    assert wrapped.optimizer.param_groups[0]["lr"] == 0.125  # the pre hook's replacement was loaded
+    # hooks registered on the wrapped optimizer still run, once, inside the wrapper's calls
+    calls = []
+    wrapped.optimizer.register_state_dict_pre_hook(lambda o: calls.append(o))
+    wrapped.state_dict()
+    assert calls == [wrapped.optimizer]
+
+
+class _Event:
+    def __init__(self, log):
+        self.log = log
+
+    def synchronize(self):
+        self.log.append("synchronized")
+
+
+def test_state_waits_for_copies_to_the_host():
+    model, data = model_and_data()
+    opt = StateOffloadOptimizer(torch.optim.AdamW(model.parameters(), lr=1e-2))
+    train(model, opt, data[:1])
+    log = []
+    opt._unwaited.append(_Event(log))  # stands in for the event after a non-blocking D2H copy
+    assert len(opt.state) == 4
+    assert log == ["synchronized"] and opt._unwaited == []
+    opt._unwaited.append(_Event(log))
+    opt.state_dict()
+    assert log == ["synchronized"] * 2
