@@ -55,7 +55,7 @@ from cpu_offload.full_offload_setup import (
     bind_for, check_optimizer, check_options, read_hparams, staging_slot_bytes,
 )
 from cpu_offload.transfer import HostRing, make_transfer
-from cpu_offload.wrapping import adopt_optimizer
+from cpu_offload.wrapping import adopt_optimizer, load_state_dict_with_hooks, state_dict_with_hooks
 
 __all__ = ["FullCPUOffloadOptimizer", "Phase"]
 
@@ -407,13 +407,16 @@ class FullCPUOffloadOptimizer(torch.optim.Optimizer):
     def state_dict(self) -> dict:
         self._check_between_steps("state_dict()")
         adopt_external_weights(self._records)
-        return checkpoint.state_dict(self)
+        return state_dict_with_hooks(self, lambda: checkpoint.state_dict(self))
 
     def load_state_dict(self, state_dict: dict) -> None:
         self._check_between_steps("load_state_dict()")
-        checkpoint.load_state_dict(self, state_dict)
-        self._transfer.synchronize()
-        note_versions(self._records)
+
+        def apply(sd: dict) -> None:
+            checkpoint.load_state_dict(self, sd)
+            self._transfer.synchronize()
+            note_versions(self._records)
+        load_state_dict_with_hooks(self, state_dict, apply)
 
     def stats(self) -> dict:
         """Figures of the last step: bytes D2H/H2D, CPU kernel seconds, seconds

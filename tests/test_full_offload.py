@@ -398,3 +398,17 @@ def test_plain_adamw_checkpoint_takes_masters_from_current_weights():
             assert torch.equal(rec.exp_avg.view(rec.shape), plain.state[src]["exp_avg"]) and rec.step == 1
         else:
             assert rec.step == 0 and not rec.exp_avg.any()
+
+
+def test_state_dict_hooks_run_like_torch():
+    model, off, _, _ = run("adamw", 1, 1, **SMALL)
+    calls = []
+    off.register_state_dict_pre_hook(lambda opt: calls.append(("pre", opt is off)))
+    off.register_state_dict_post_hook(lambda opt, sd: calls.append(("post", "state" in sd)) or {**sd, "extra": 1})
+    off.register_load_state_dict_pre_hook(
+        lambda opt, sd: calls.append(("load_pre", sd.get("extra"))) or {k: v for k, v in sd.items() if k != "extra"})
+    off.register_load_state_dict_post_hook(lambda opt: calls.append(("load_post", opt is off)))
+    sd = off.state_dict()
+    assert sd["extra"] == 1
+    off.load_state_dict(sd)
+    assert calls == [("pre", True), ("post", True), ("load_pre", 1), ("load_post", True)]
