@@ -49,12 +49,12 @@ from cpu_offload.host_state import (
     adopt_external_weights, allocate_host_state, cast_to_compute, check_fsdp_not_started, check_host_ram,
     collect_records, host_bytes_needed, local_of, note_versions, restore_dtypes,
 )
-from cpu_offload.window import finish_window, reset_window, salvage_window
-from cpu_offload.pipeline import Pipeline
 from cpu_offload.full_offload_setup import (
     bind_for, check_optimizer, check_options, read_hparams, staging_slot_bytes,
 )
+from cpu_offload.pipeline import Pipeline
 from cpu_offload.transfer import HostRing, make_transfer
+from cpu_offload.window import finish_window, reset_window, salvage_window
 from cpu_offload.wrapping import adopt_optimizer, load_state_dict_with_hooks, state_dict_with_hooks
 
 __all__ = ["FullCPUOffloadOptimizer", "Phase"]
@@ -234,8 +234,8 @@ class FullCPUOffloadOptimizer(torch.optim.Optimizer):
         self._final = self._micro == self.grad_accum_steps - 1
         self._gen += 1
         gen, ref = self._gen, weakref.ref(self)
-        # NOTE: watched before the checks below, so that a check that raises
-        # aborts a backward whose clean-up (stale param.grad) is then recovered.
+        # NOTE: watched before the checks below: a check that raises aborts this
+        # backward, and the next call recovers the window like any other abort.
         watch_backward(lambda: None if (w := ref()) is None else w._backward_ended(gen),
                        lambda: None if (w := ref()) is None else w._backward_died(gen))
         self._phase = Phase.BACKWARD
