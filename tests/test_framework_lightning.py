@@ -3,8 +3,8 @@
 # Trainer(accelerator="cpu", max_steps=20) on a tiny Llama built from a config
 # (nothing downloaded). The default mode gives bit-identical losses to plain
 # torch.optim.AdamW, with clipping and a short last accumulation window; full
-# offload should stay within bf16 noise of Bf16MasterAdamW (xfail: see its
-# marker). Skipped, with the reason shown, when lightning is not installed.
+# offload stays within bf16 noise of Bf16MasterAdamW. Skipped, with the reason
+# shown, when lightning is not installed.
 
 import pytest
 import torch
@@ -65,12 +65,6 @@ def test_lightning_default_mode_bit_identical_to_adamw(grad_accum):
     assert mod.opt.optimizer.param_groups[0]["lr"] == ref.opt.param_groups[0]["lr"] == 1e-2
 
 
-@pytest.mark.xfail(
-    strict=True, raises=RuntimeError,
-    reason="full offload: Lightning's Strategy.optimizers setter replaces its LightningOptimizer proxies; a dropped "
-           "proxy's __del__ runs FullCPUOffloadOptimizer.close() on the live optimizer (the proxy forwards "
-           "attributes by __getattr__), which removes its gradient hooks, so step() raises 'step() called after "
-           "0 backward pass(es), but grad_accum_steps=2'")
 def test_lightning_full_offload_within_bf16_noise():
     n_rows = 40  # every window full: Lightning, like Trainer, steps a short last window
     want, _ = train_lightning(lambda m: Bf16MasterAdamW(m.parameters(), lr=1e-2, betas=(0.9, 0.95),
