@@ -36,6 +36,7 @@ from __future__ import annotations
 
 import enum
 import os
+import sys
 import time
 import warnings
 import weakref
@@ -69,6 +70,16 @@ class Phase(enum.Enum):
     APPLIED = "after the window's last backward pass, before step()"
     ABORTED = "after a backward pass that raised"
     CLOSED = "closed"
+
+
+def _user_stacklevel() -> int:
+    """The ``stacklevel`` that points a warning at the first frame outside this
+    package and torch (whose optimizer and autograd wrappers sit in between)."""
+    skip = (os.path.dirname(__file__), os.path.dirname(torch.__file__))
+    level, frame = 1, sys._getframe(1)
+    while frame is not None and frame.f_code.co_filename.startswith(skip):
+        frame, level = frame.f_back, level + 1
+    return level
 
 
 def _shutdown(records, pipeline, transfer) -> None:
@@ -297,7 +308,7 @@ class FullCPUOffloadOptimizer(torch.optim.Optimizer):
             done = (f"{len(stepped)} of {len(self._records)} parameters had their update applied and count this "
                     "step (as if the others had no gradient); " if final else "")
             warnings.warn(f"cpu_offload: {where} raised; {done}the rest of the accumulation window was discarded",
-                          RuntimeWarning, stacklevel=3)
+                          RuntimeWarning, stacklevel=_user_stacklevel())
 
     def _complete_window(self) -> None:
         t0 = time.perf_counter()
@@ -371,7 +382,7 @@ class FullCPUOffloadOptimizer(torch.optim.Optimizer):
             self._warned_zero_grad = True
             warnings.warn("cpu_offload: zero_grad() without step() after a window's last backward pass: full "
                           "offload applied that update during backward; it stays applied and counts as a step",
-                          RuntimeWarning, stacklevel=2)
+                          RuntimeWarning, stacklevel=_user_stacklevel())
         self._phase = Phase.IDLE
         self._zero_fill = not set_to_none
         if set_to_none:
