@@ -1,16 +1,19 @@
 # The one offload setting: offload_optimizer(optimizer, offload=...).
 #
-# Scope: validate the mode and its keyword options, and return the optimizer
-# unchanged ("none"), a StateOffloadOptimizer ("optimizer", the default) or a
-# FullCPUOffloadOptimizer ("full").
-# Non-goals: aliases or guessing (an unknown mode is a ValueError, an unknown
-# keyword a TypeError), anything the wrappers themselves do.
+# Scope: validate the mode, its keyword options and (for "full") the optimizer type, with
+# errors that say what to write instead; return the optimizer unchanged ("none"), a
+# StateOffloadOptimizer ("optimizer", the default) or a FullCPUOffloadOptimizer ("full"),
+# the latter with the first-forward dtype hint (dtype_hint.py).
+# Non-goals: aliases or guessing (an unknown mode is a ValueError, an unknown keyword a
+# TypeError, whatever it may have meant), anything the wrappers themselves do.
 
 from __future__ import annotations
 
 import torch
 
+from cpu_offload.dtype_hint import watch_first_forward
 from cpu_offload.full_offload import FullCPUOffloadOptimizer
+from cpu_offload.optim import SignSGD
 from cpu_offload.state_offload import StateOffloadOptimizer
 
 __all__ = ["offload_optimizer", "OFFLOAD_MODES"]
@@ -23,6 +26,38 @@ _OPTIONS = {
     "optimizer": ("pin_memory",),
     "full": ("compute_dtype", "keep_fp32", "pinned_bytes", "num_slots", "timeout_s", "sysfs_root"),
 }
+# Keywords people write for the mode itself.
+_MODE_WORDS = ("mode", "offload_mode", "offload_type", "kind", "type", "strategy")
+
+
+def _unknown_keywords(offload: str, options: dict) -> str:
+    """The TypeError message for keywords ``offload`` does not accept."""
+    unknown = sorted(set(options) - set(_OPTIONS[offload]))
+    for key in unknown:
+        if key in _MODE_WORDS or (isinstance(options[key], str) and options[key] in OFFLOAD_MODES):
+            value = options[key] if options[key] in OFFLOAD_MODES else "full"
+            return (f"offload_optimizer() got an unexpected keyword argument {key!r}: the mode is set with "
+                    f"offload=; did you mean offload_optimizer(optimizer, offload={value!r})?")
+    accepted = ", ".join(("grad_accum_steps",) + _OPTIONS[offload])
+    message = (f"offload_optimizer(offload={offload!r}) got unexpected keyword argument(s) "
+               f"{', '.join(unknown)}; accepted: {accepted}")
+    elsewhere = [f"{key} is an option of offload={mode!r}" for key in unknown
+                 for mode, keys in _OPTIONS.items() if key in keys]
+    return message + ("; " + ", ".join(elsewhere) if elsewhere else "")
+
+
+def _check_full_optimizer(optimizer: torch.optim.Optimizer) -> None:
+    cls = type(optimizer)
+    if cls in (torch.optim.AdamW, SignSGD):
+        return
+    name = f"torch.optim.{cls.__name__}" if cls.__module__.startswith("torch.optim") else cls.__qualname__
+    also = ("; or build torch.optim.AdamW instead (with weight_decay=0 it makes the same update as "
+            "torch.optim.Adam without weight decay)") if cls is torch.optim.Adam else ""
+    raise TypeError(
+        f"offload='full' runs only torch.optim.AdamW and cpu_offload.SignSGD on the CPU, got {name}: use "
+        f"offload='optimizer' (the default), which keeps any torch optimizer's state in host RAM between "
+        f"steps{also}"
+    )
 
 
 def offload_optimizer(optimizer: torch.optim.Optimizer, offload: str = "optimizer", **options):
@@ -35,7 +70,9 @@ def offload_optimizer(optimizer: torch.optim.Optimizer, offload: str = "optimize
             host RAM between steps and the step runs on the device;
             ``"full"``: fp32 masters, moments and gradients in host RAM, the
             step runs on the CPU during backward (torch.optim.AdamW or
-            cpu_offload.SignSGD only); ``"none"``: the optimizer, unchanged.
+            cpu_offload.SignSGD only; the model's parameters become bf16, so
+            run the forward under ``torch.autocast`` or feed bf16 inputs);
+            ``"none"``: the optimizer, unchanged.
         grad_accum_steps: backward passes per step (all modes; only ``"full"``
             needs it, the others accumulate in ``param.grad`` as usual).
         **options: mode-specific keywords, see FullCPUOffloadOptimizer and
@@ -48,15 +85,15 @@ def offload_optimizer(optimizer: torch.optim.Optimizer, offload: str = "optimize
     grad_accum_steps = options.pop("grad_accum_steps", 1)
     if isinstance(grad_accum_steps, bool) or not isinstance(grad_accum_steps, int) or grad_accum_steps < 1:
         raise ValueError(f"grad_accum_steps must be an int >= 1, got {grad_accum_steps!r}")
-    unknown = sorted(set(options) - set(_OPTIONS[offload]))
-    if unknown:
-        accepted = ", ".join(("grad_accum_steps",) + _OPTIONS[offload])
-        raise TypeError(
-            f"offload_optimizer(offload={offload!r}) got unexpected keyword argument(s) "
-            f"{', '.join(unknown)}; accepted: {accepted}"
-        )
+    if set(options) - set(_OPTIONS[offload]):
+        raise TypeError(_unknown_keywords(offload, options))
     if offload == "none":
         return optimizer
     if offload == "optimizer":
         return StateOffloadOptimizer(optimizer, **options)
-    return FullCPUOffloadOptimizer(optimizer, grad_accum_steps=grad_accum_steps, **options)
+    _check_full_optimizer(optimizer)
+    wrapper = FullCPUOffloadOptimizer(optimizer, grad_accum_steps=grad_accum_steps, **options)
+    compute_dtype = options.get("compute_dtype", torch.bfloat16)
+    if compute_dtype != torch.float32:
+        watch_first_forward(wrapper, compute_dtype)
+    return wrapper

@@ -45,14 +45,21 @@ class StateOffloadOptimizer(torch.optim.Optimizer):
 
     Args:
         optimizer: the optimizer to wrap (its ``param_groups`` and ``state`` are shared).
-        pin_memory: page-lock the host buffers (default: when CUDA is available).
+        pin_memory: page-lock the host buffers (default: when CUDA is available;
+            True without CUDA is a ValueError).
     """
 
     def __init__(self, optimizer: torch.optim.Optimizer, *, pin_memory=None) -> None:
         if not isinstance(optimizer, torch.optim.Optimizer):
             raise TypeError(f"optimizer must be a torch.optim.Optimizer, got {type(optimizer).__name__}")
+        if pin_memory is not None and not isinstance(pin_memory, bool):
+            raise TypeError(f"pin_memory must be True, False or None, got {pin_memory!r}")
+        if pin_memory and not torch.cuda.is_available():
+            raise ValueError("pin_memory=True needs CUDA (pinned host memory is allocated through the CUDA driver) "
+                             "and torch.cuda.is_available() is False: leave pin_memory unset (it pins only when "
+                             "CUDA is available) or pass pin_memory=False")
         adopt_optimizer(self, optimizer)
-        self.pin_memory = torch.cuda.is_available() if pin_memory is None else bool(pin_memory)
+        self.pin_memory = torch.cuda.is_available() if pin_memory is None else pin_memory
         self._host: dict = {}  # (id(param), key) -> host tensor (the local shard for DTensors)
         # NOTE: a list mutated in place, never rebound: Lightning's optimizer proxy
         # runs these methods with itself as ``self`` and reads missing attributes

@@ -55,11 +55,26 @@ def test_unknown_keyword_is_a_type_error():
         offload_optimizer(object(), offload="none")
 
 
+def test_mode_keyword_points_to_offload():
+    _, opt = opt_for()
+    for key in ("mode", "offload_mode"):
+        with pytest.raises(TypeError, match=rf"'{key}': the mode is set with offload=; did you mean "
+                                            r"offload_optimizer\(optimizer, offload='full'\)"):
+            offload_optimizer(opt, **{key: "full"})
+    with pytest.raises(TypeError, match="pinned_bytes is an option of offload='full'"):
+        offload_optimizer(opt, pinned_bytes=1 << 20)  # offload= left at its default
+
+
 def test_full_accepts_only_adamw_and_sign_sgd():
     for kind in ("Adam", "SGD", "RMSprop"):
-        _, opt = opt_for(kind)
-        with pytest.raises(TypeError, match="torch.optim.AdamW and cpu_offload.SignSGD"):
+        model, opt = opt_for(kind)
+        with pytest.raises(TypeError, match=rf"torch.optim.AdamW and cpu_offload.SignSGD on the CPU, got "
+                                            rf"torch.optim.{kind}: use offload='optimizer'"):
             offload_optimizer(opt, offload="full")
+        assert model.weight.dtype == torch.float32  # refused before anything changed
+    _, opt = opt_for("Adam")
+    with pytest.raises(TypeError, match="build torch.optim.AdamW instead"):
+        offload_optimizer(opt, offload="full")
     for flag in ("amsgrad", "maximize", "capturable", "differentiable"):
         _, opt = opt_for(**{flag: True})
         with pytest.raises(ValueError, match=flag):
@@ -79,3 +94,13 @@ def test_schedulers_accept_every_wrapper():
         assert opt.param_groups[0]["lr"] == pytest.approx(5e-4)
         if mode == "full":
             wrapped.close()
+
+
+def test_pin_memory_without_cuda_is_refused_at_the_call(monkeypatch):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    _, opt = opt_for()
+    with pytest.raises(ValueError, match="pin_memory=True needs CUDA"):
+        offload_optimizer(opt, pin_memory=True)
+    with pytest.raises(TypeError, match="pin_memory must be True, False or None"):
+        offload_optimizer(opt, pin_memory="yes")
+    assert offload_optimizer(opt, pin_memory=False).pin_memory is False

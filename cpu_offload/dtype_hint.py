@@ -1,0 +1,86 @@
+# The explanation added to a dtype error in the first forward pass after full offload
+# cast a model's parameters to bf16 in place.
+#
+# A plain fp32 model fed fp32 inputs fails its first forward after offload="full" with
+# torch's own "mat1 and mat2 must have the same dtype". Until one outermost forward pass
+# completes, two process-wide module hooks watch forward passes; a dtype-mismatch error
+# that mentions bfloat16 gets a note saying what happened and what to do (autocast, or
+# bf16 inputs). After that forward, or when the optimizer is collected, the hooks are
+# removed, so training steps pay nothing.
+#
+# Non-goals: checking inputs before the forward (a model may cast its inputs itself, so a
+# check could refuse a correct model), replacing torch's exception (a hook cannot: torch
+# silences a hook's exception while another one propagates, so the note is added to it).
+
+from __future__ import annotations
+
+import sys
+import threading
+import weakref
+
+import torch
+from torch.nn.modules.module import register_module_forward_hook, register_module_forward_pre_hook
+
+__all__ = ["HINT", "watch_first_forward"]
+
+HINT = ("cpu_offload: offload='full' cast the model's trainable parameters to {dtype} in place (the fp32 master "
+        "weights live in host RAM), so fp32 inputs no longer match them: run the forward under "
+        "torch.autocast(device_type, dtype={dtype}), or give the model {dtype} inputs")
+
+
+def _is_dtype_mismatch(exc: BaseException, dtype: torch.dtype) -> bool:
+    text = str(exc).lower()
+    name = str(dtype).rsplit(".", 1)[-1]  # "bfloat16"
+    return isinstance(exc, RuntimeError) and name in text and "float" in text.replace(name, "")
+
+
+def _explain(exc: BaseException, dtype: torch.dtype) -> None:
+    note = HINT.format(dtype=dtype)
+    if note in getattr(exc, "__notes__", ()) or not _is_dtype_mismatch(exc, dtype):
+        return  # NOTE: every enclosing module's hook sees the same exception: one note
+    if hasattr(exc, "add_note"):  # Python >= 3.11
+        exc.add_note(note)
+    elif exc.args and isinstance(exc.args[0], str) and note not in exc.args[0]:
+        exc.args = (f"{exc.args[0]}\n{note}",) + exc.args[1:]
+
+
+class _FirstForward:
+    """The two global hooks and the per-thread stack of modules in their forward."""
+
+    def __init__(self, dtype: torch.dtype) -> None:
+        self.dtype = dtype
+        self.local = threading.local()
+        self.handles = [register_module_forward_pre_hook(self._enter),
+                        register_module_forward_hook(self._leave, always_call=True)]
+
+    def _enter(self, module, args) -> None:
+        if torch.compiler.is_compiling():
+            return
+        stack = self.local.__dict__.setdefault("stack", [])
+        # NOTE: the exception being handled when the forward starts (one when a forward runs
+        # in an except block) is not the forward's own failure.
+        stack.append((module, sys.exc_info()[1]))
+
+    def _leave(self, module, args, output) -> None:
+        if torch.compiler.is_compiling():
+            return
+        stack = getattr(self.local, "stack", None)
+        if not stack or stack[-1][0] is not module:
+            return
+        _, before = stack.pop()
+        exc = sys.exc_info()[1]
+        if exc is not None and exc is not before:
+            _explain(exc, self.dtype)
+        elif not stack:
+            self.remove()  # an outermost forward pass completed
+
+    def remove(self) -> None:
+        for handle in self.handles:
+            handle.remove()
+        self.handles = []
+
+
+def watch_first_forward(optimizer: torch.optim.Optimizer, dtype: torch.dtype) -> None:
+    """Explain a dtype error of the first forward pass after the cast to ``dtype``."""
+    watcher = _FirstForward(dtype)
+    weakref.finalize(optimizer, watcher.remove)
