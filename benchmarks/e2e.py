@@ -75,19 +75,14 @@ def host_bandwidth_gbs(nbytes: int = 1 << 30, repeats: int = 5) -> tuple[float, 
 
 
 def exposed_wait(stats: Optional[dict]) -> Optional[float]:
-    """The seconds step() blocked, from the offload optimizer's stats()."""
-    if not stats:
-        return None
-    if isinstance(stats.get("step_blocked_s"), (int, float)):  # FullCPUOffloadOptimizer's name
-        return float(stats["step_blocked_s"])
-    for word in ("exposed", "blocked", "wait"):
-        for key, value in stats.items():
-            if word in key and isinstance(value, (int, float)):
-                return float(value)
-    return None
+    """The seconds the loop blocked on the optimizer's tail: FullCPUOffloadOptimizer.stats()'s
+    ``step_blocked_s``; None for optimizers without stats()."""
+    value = (stats or {}).get("step_blocked_s")
+    return None if value is None else float(value)
 
 
 def _load_example():
+    sys.path.insert(0, str(EXAMPLE.parent))  # train_fsdp imports llama_model from beside it
     spec = importlib.util.spec_from_file_location("train_fsdp", EXAMPLE)
     module = importlib.util.module_from_spec(spec)
     sys.modules["train_fsdp"] = module  # dataclasses look their module up here
@@ -193,14 +188,15 @@ def run_config(cfg: dict, *, nproc: int, timeout_s: float) -> dict:
     if cfg["mode"] == "torchao" and nproc > 1:
         return {"mode": cfg["mode"], "tokens_per_step": cfg["tokens_per_step"],
                 "error": "skipped: torchao's CPUOffloadOptimizer supports single-GPU training only"}
-    env = dict(os.environ, PYTHONUNBUFFERED="1",
-               PYTHONPATH=os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH")) if p))
+    # NOTE: the workers import the installed cpu_offload (editable or not); putting the
+    # source tree on PYTHONPATH would shadow a non-editable install with unbuilt sources.
+    env = dict(os.environ, PYTHONUNBUFFERED="1")
     if nproc > 1 and "OMP_NUM_THREADS" not in env:
         # NOTE: torchrun would set OMP_NUM_THREADS=1, starving the CPU optimizer steps
         # of the reference rows (torch's CPU AdamW); give each rank its share instead.
         env["OMP_NUM_THREADS"] = str(max(1, _cpu_count() // nproc))
     # A session of its own, so a timeout kills torchrun's workers along with torchrun.
-    proc = subprocess.Popen(_subprocess_cmd(cfg, nproc), env=env, cwd=ROOT, text=True, start_new_session=True,
+    proc = subprocess.Popen(_subprocess_cmd(cfg, nproc), env=env, text=True, start_new_session=True,
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
     timer = threading.Timer(timeout_s, _kill_group, (proc,))
     timer.start()
@@ -322,6 +318,11 @@ def main(argv=None) -> int:
     if args.json:
         write_json(report, args.json)
         print(f"wrote {args.json}")
+    ran = [r for r in results if not r.get("error")]
+    if not ran:
+        print(f"\nno configuration ran ({len(results)} tried, each failed or was skipped: see the table above); "
+              "nothing to plot or compare", file=sys.stderr)
+        return 1
     if args.plot:
         print(f"wrote {args.plot}" if plot(report, args.plot) else "matplotlib not importable: no plot")
     print()

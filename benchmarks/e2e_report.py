@@ -165,14 +165,16 @@ def write_json(report: dict, path: str) -> None:
 
 def plot(report: dict, path: str) -> bool:
     """Step time and peak GPU memory per mode, one bar group per budget. False
-    when matplotlib is missing."""
+    when matplotlib is missing; ValueError when no configuration ran."""
+    rows = [r for r in report["rows"] if not r.get("error")]
+    if not rows:
+        raise ValueError("no configuration ran (each failed or was skipped): nothing to plot")
     try:
         import matplotlib
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
     except ImportError:
         return False
-    rows = [r for r in report["rows"] if not r.get("error")]
     budgets = sorted({r["tokens_per_step"] for r in rows})
     modes = [m for m in MODES if any(r["mode"] == m for r in rows)]
     fig, axes = plt.subplots(1, 2, figsize=(12, 4.5))

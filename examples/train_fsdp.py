@@ -1,13 +1,12 @@
 # FSDP2 training example for cpu_offload.
 #
-# Scope: a Llama-style decoder written in plain torch (RMSNorm, causal attention through
-# scaled_dot_product_attention, optional rotary embeddings, SwiGLU MLP, tied or untied
-# head), sharded with fully_shard per block and at the root under a bf16
-# MixedPrecisionPolicy, trained on synthetic tokens generated on the device, with the
-# optimizer wrapped by cpu_offload.offload_optimizer. Cosine LR schedule with warm-up,
-# one log line per step, torch.distributed.checkpoint save/resume.
+# Scope: the Llama-style decoder of llama_model.py, sharded with fully_shard per block and
+# at the root under a bf16 MixedPrecisionPolicy, trained on synthetic tokens generated on
+# the device, with the optimizer wrapped by cpu_offload.offload_optimizer. Cosine LR
+# schedule with warm-up, one log line per step, torch.distributed.checkpoint save/resume.
 #
 # Runs as:
+#   python examples/train_fsdp.py --preset tiny                        # seconds, on a laptop CPU
 #   python examples/train_fsdp.py --offload full                       # 1 GPU (or CPU)
 #   torchrun --nproc-per-node 8 examples/train_fsdp.py --offload full  # N GPUs
 #
@@ -34,135 +33,12 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
 import cpu_offload
+from llama_model import ModelConfig, Transformer, count_parameters  # noqa: F401 (e2e.py uses them from here)
 
 GIB = float(1 << 30)
 
 
-# --------------------------------------------------------------------------- model
-
-
-@dataclass
-class ModelConfig:
-    vocab_size: int = 32000
-    d_model: int = 2048
-    n_layers: int = 16
-    n_heads: int = 16
-    ffn_dim: int = 5632
-    max_seq_len: int = 2048
-    tie_embeddings: bool = False
-    rope: bool = True
-    rope_base: float = 10000.0
-
-
-class RMSNorm(nn.Module):
-    def __init__(self, dim: int, eps: float = 1e-5):
-        super().__init__()
-        self.eps = eps
-        self.weight = nn.Parameter(torch.ones(dim))
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.rms_norm(x, (x.shape[-1],), self.weight, self.eps)
-
-
-def rotary_tables(head_dim: int, max_len: int, base: float) -> tuple[torch.Tensor, torch.Tensor]:
-    """cos/sin of the rotation angles, shape (max_len, head_dim // 2), fp32."""
-    inv_freq = 1.0 / (base ** (torch.arange(0, head_dim, 2, dtype=torch.float32) / head_dim))
-    angles = torch.outer(torch.arange(max_len, dtype=torch.float32), inv_freq)
-    return angles.cos(), angles.sin()
-
-
-def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Rotate the two halves of the head dimension of x (B, H, T, D); math in fp32."""
-    T = x.shape[-2]
-    x1, x2 = x.float().chunk(2, dim=-1)
-    c, s = cos[:T], sin[:T]
-    return torch.cat((x1 * c - x2 * s, x1 * s + x2 * c), dim=-1).to(x.dtype)
-
-
-class Attention(nn.Module):
-    def __init__(self, cfg: ModelConfig):
-        super().__init__()
-        assert cfg.d_model % cfg.n_heads == 0, "d_model must be a multiple of n_heads"
-        self.n_heads = cfg.n_heads
-        self.head_dim = cfg.d_model // cfg.n_heads
-        self.qkv = nn.Linear(cfg.d_model, 3 * cfg.d_model, bias=False)
-        self.proj = nn.Linear(cfg.d_model, cfg.d_model, bias=False)
-        self.rope = cfg.rope
-        if cfg.rope:
-            # NOTE: the tables are buffers of this module, not forward arguments: FSDP2
-            # casts floating-point forward inputs to param_dtype (bf16) but leaves
-            # buffers alone, so the angles keep fp32 precision.
-            cos, sin = rotary_tables(self.head_dim, cfg.max_seq_len, cfg.rope_base)
-            self.register_buffer("rope_cos", cos, persistent=False)
-            self.register_buffer("rope_sin", sin, persistent=False)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        B, T, C = x.shape
-        q, k, v = self.qkv(x).view(B, T, 3, self.n_heads, self.head_dim).permute(2, 0, 3, 1, 4)
-        if self.rope:
-            q = apply_rotary(q, self.rope_cos, self.rope_sin)
-            k = apply_rotary(k, self.rope_cos, self.rope_sin)
-        y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
-        return self.proj(y.transpose(1, 2).reshape(B, T, C))
-
-
-class SwiGLU(nn.Module):
-    def __init__(self, cfg: ModelConfig):
-        super().__init__()
-        self.gate = nn.Linear(cfg.d_model, cfg.ffn_dim, bias=False)
-        self.up = nn.Linear(cfg.d_model, cfg.ffn_dim, bias=False)
-        self.down = nn.Linear(cfg.ffn_dim, cfg.d_model, bias=False)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down(F.silu(self.gate(x)) * self.up(x))
-
-
-class Block(nn.Module):
-    def __init__(self, cfg: ModelConfig):
-        super().__init__()
-        self.attn_norm = RMSNorm(cfg.d_model)
-        self.attn = Attention(cfg)
-        self.mlp_norm = RMSNorm(cfg.d_model)
-        self.mlp = SwiGLU(cfg)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x = x + self.attn(self.attn_norm(x))
-        return x + self.mlp(self.mlp_norm(x))
-
-
-class Transformer(nn.Module):
-    def __init__(self, cfg: ModelConfig):
-        super().__init__()
-        self.cfg = cfg
-        self.embed = nn.Embedding(cfg.vocab_size, cfg.d_model)
-        self.blocks = nn.ModuleList(Block(cfg) for _ in range(cfg.n_layers))
-        self.norm = RMSNorm(cfg.d_model)
-        self.head = None if cfg.tie_embeddings else nn.Linear(cfg.d_model, cfg.vocab_size, bias=False)
-        self.reset_parameters()
-
-    @torch.no_grad()
-    def reset_parameters(self, std: float = 0.02) -> None:
-        # GPT-2 style: N(0, std) everywhere, residual output projections scaled down
-        # by sqrt(2 * n_layers) so the residual stream's variance stays bounded.
-        out_std = std / math.sqrt(2 * self.cfg.n_layers)
-        for name, p in self.named_parameters():
-            if p.dim() < 2:
-                continue  # RMSNorm weights stay at 1
-            is_out = name.endswith("attn.proj.weight") or name.endswith("mlp.down.weight")
-            nn.init.normal_(p, 0.0, out_std if is_out else std)
-
-    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
-        x = self.embed(tokens)
-        for block in self.blocks:
-            x = block(x)
-        x = self.norm(x)
-        weight = self.embed.weight if self.head is None else self.head.weight
-        return F.linear(x, weight)
-
-
-def count_parameters(model: nn.Module) -> int:
-    # DTensor.numel() is the global size, so this is the model size on any world size.
-    return sum(p.numel() for p in model.parameters())
+# ------------------------------------------------------------------- sharding
 
 
 def build_model(cfg: ModelConfig, device: torch.device, *, fsdp: bool = True,
@@ -274,17 +150,6 @@ class StepSettings:
     amp_dtype: Optional[torch.dtype] = None  # autocast for an unsharded (plain) model
 
 
-def _peak_memory_gib(device: torch.device) -> Optional[float]:
-    if device.type == "cuda":
-        return torch.cuda.max_memory_allocated(device) / GIB
-    return None
-
-
-def _offload_stats(opt) -> Optional[dict]:
-    stats = getattr(opt, "stats", None)
-    return dict(stats()) if callable(stats) else None
-
-
 def run_steps(model, opt, sched, s: StepSettings, *, first_step: int, last_step: int,
               device: torch.device) -> Iterator[dict]:
     """Train steps [first_step, last_step) and yield one record per step."""
@@ -324,8 +189,8 @@ def run_steps(model, opt, sched, s: StepSettings, *, first_step: int, last_step:
             "step_time_s": dt,
             "tokens_per_step": tokens_per_step,
             "tokens_per_s": tokens_per_step / dt,
-            "peak_gpu_gib": _peak_memory_gib(device),
-            "offload": _offload_stats(opt),
+            "peak_gpu_gib": torch.cuda.max_memory_allocated(device) / GIB if device.type == "cuda" else None,
+            "offload": dict(opt.stats()) if callable(getattr(opt, "stats", None)) else None,
         }
 
 
@@ -357,10 +222,6 @@ def format_step(rec: dict, total_steps: int) -> str:
 # ------------------------------------------------------------------ checkpoints
 
 
-def _step_dir(root: str, step: int) -> str:
-    return os.path.join(root, f"step_{step:06d}")
-
-
 def resolve_checkpoint(path: str) -> str:
     """A step_NNNNNN directory as given, or the latest one under a --save root."""
     steps = sorted(d for d in os.listdir(path) if d.startswith("step_")) if os.path.isdir(path) else []
@@ -379,7 +240,7 @@ def _checkpoint_state(model, opt, step: int) -> dict:
 
 def save_checkpoint(root: str, model, opt, step: int) -> str:
     import torch.distributed.checkpoint as dcp
-    path = _step_dir(root, step)
+    path = os.path.join(root, f"step_{step:06d}")
     dcp.save(_checkpoint_state(model, opt, step), checkpoint_id=path)
     return path
 
@@ -424,31 +285,52 @@ def init_distributed(device: torch.device, **kwargs) -> None:
 # ------------------------------------------------------------------------- main
 
 
+# Settings that replace the defaults below (flags given explicitly still win).
+PRESETS = {
+    # A 0.1M-parameter model on 32-token sequences: trains in seconds on a laptop CPU.
+    "tiny": dict(vocab_size=256, d_model=64, n_layers=2, n_heads=4, ffn_dim=128, seq_len=32, batch_size=4,
+                 steps=20, warmup_steps=1, lr=1e-3),
+}
+
+
 def parse_args(argv=None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description="FSDP2 training with cpu_offload on synthetic tokens.")
-    p.add_argument("--offload", choices=["none", "optimizer", "full"], default="full")
-    p.add_argument("--optimizer", choices=["adamw", "sign_sgd"], default="adamw")
+    p = argparse.ArgumentParser(description="FSDP2 training with cpu_offload on synthetic tokens. The defaults "
+                                "are the benchmark model (about 0.95B parameters, 2048-token sequences); "
+                                "--preset tiny is a quick check that runs in seconds on a CPU.",
+                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    p.add_argument("--preset", choices=sorted(PRESETS), default=None,
+                   help="replace the defaults: " + "; ".join(
+                       f"{name}: " + " ".join(f"--{k.replace('_', '-')} {v}" for k, v in values.items())
+                       for name, values in PRESETS.items()))
+    p.add_argument("--offload", choices=["none", "optimizer", "full"], default="full",
+                   help="cpu_offload mode; none runs plain torch AdamW on the device (the baseline)")
+    p.add_argument("--optimizer", choices=["adamw", "sign_sgd"], default="adamw",
+                   help="sign_sgd is cpu_offload.SignSGD")
     p.add_argument("--steps", type=int, default=20, help="total optimizer steps")
     p.add_argument("--batch-size", type=int, default=4, help="sequences per rank per micro-batch")
-    p.add_argument("--seq-len", type=int, default=2048)
+    p.add_argument("--seq-len", type=int, default=2048, help="tokens per sequence")
     p.add_argument("--grad-accum", type=int, default=1, help="micro-batches per optimizer step")
-    p.add_argument("--lr", type=float, default=3e-4)
-    p.add_argument("--min-lr-ratio", type=float, default=0.1)
-    p.add_argument("--warmup-steps", type=int, default=10)
-    p.add_argument("--weight-decay", type=float, default=0.1)
-    p.add_argument("--vocab-size", type=int, default=32000)
-    p.add_argument("--d-model", type=int, default=2048)
-    p.add_argument("--n-layers", type=int, default=16)
-    p.add_argument("--n-heads", type=int, default=16)
-    p.add_argument("--ffn-dim", type=int, default=5632)
-    p.add_argument("--tie-embeddings", action="store_true")
-    p.add_argument("--no-rope", action="store_true")
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--device", choices=["auto", "cuda", "cpu"], default="auto")
+    p.add_argument("--lr", type=float, default=3e-4, help="peak learning rate")
+    p.add_argument("--min-lr-ratio", type=float, default=0.1, help="final LR of the cosine decay, as a share of --lr")
+    p.add_argument("--warmup-steps", type=int, default=10, help="steps of linear LR warm-up")
+    p.add_argument("--weight-decay", type=float, default=0.1, help="AdamW weight decay (matrices and embeddings)")
+    p.add_argument("--vocab-size", type=int, default=32000, help="vocabulary size")
+    p.add_argument("--d-model", type=int, default=2048, help="model width")
+    p.add_argument("--n-layers", type=int, default=16, help="transformer blocks")
+    p.add_argument("--n-heads", type=int, default=16, help="attention heads")
+    p.add_argument("--ffn-dim", type=int, default=5632, help="SwiGLU hidden size")
+    p.add_argument("--tie-embeddings", action="store_true", help="the output head reuses the embedding matrix")
+    p.add_argument("--no-rope", action="store_true", help="no rotary position embeddings")
+    p.add_argument("--seed", type=int, default=0, help="seed of the initial weights and of the synthetic data")
+    p.add_argument("--device", choices=["auto", "cuda", "cpu"], default="auto",
+                   help="auto: cuda when available; cpu runs gloo on the CPU")
     p.add_argument("--save", metavar="DIR", help="save DIR/step_NNNNNN at the end (and every --save-every steps)")
-    p.add_argument("--save-every", type=int, default=0)
+    p.add_argument("--save-every", type=int, default=0, help="steps between checkpoints (0: only at the end)")
     p.add_argument("--resume", metavar="DIR", help="a step_NNNNNN checkpoint, or a --save DIR (latest step)")
     p.add_argument("--metrics", metavar="PATH", help="write one JSON line per step (rank 0)")
+    preset = p.parse_known_args(argv)[0].preset
+    if preset is not None:
+        p.set_defaults(**PRESETS[preset])
     return p.parse_args(argv)
 
 
@@ -467,16 +349,19 @@ def main(argv=None) -> list[dict]:
     init_distributed(device)
     rank, world = dist.get_rank(), dist.get_world_size()
     cfg = model_config(args)
+    if rank == 0:  # NOTE: said before building: the default model takes a while to build and shard
+        with torch.device("meta"):
+            n_params = count_parameters(Transformer(cfg))
+        print(f"model {n_params / 1e6:.1f}M params {asdict(cfg)} | world {world} device {device.type} | "
+              f"offload {args.offload} optimizer {args.optimizer} | {args.steps} steps", flush=True)
     model = build_model(cfg, device, seed=args.seed)
     opt = build_optimizer(model, name=args.optimizer, lr=args.lr, weight_decay=args.weight_decay,
                           offload=args.offload, grad_accum=args.grad_accum)
     start = load_checkpoint(resolve_checkpoint(args.resume), model, opt) if args.resume else 0
     sched = make_scheduler(opt, lr=args.lr, warmup=min(args.warmup_steps, args.steps),
                            total=args.steps, min_ratio=args.min_lr_ratio, start_step=start)
-    if rank == 0:
-        print(f"model {count_parameters(model) / 1e6:.1f}M params {asdict(cfg)} | world {world} "
-              f"device {device.type} | offload {args.offload} optimizer {args.optimizer} | "
-              f"steps {start}->{args.steps}", flush=True)
+    if rank == 0 and args.resume:
+        print(f"resumed {args.resume} at step {start}", flush=True)
     settings = StepSettings(batch_size=args.batch_size, seq_len=args.seq_len,
                             grad_accum=args.grad_accum, vocab_size=args.vocab_size, seed=args.seed)
     metrics = open(args.metrics, "a") if (args.metrics and rank == 0) else None
