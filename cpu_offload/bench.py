@@ -1,13 +1,15 @@
 """Micro-benchmark CLI for the native kernels: ``python -m cpu_offload.bench``.
 
 First checks each kernel of each ISA against the pure-torch reference (bit for bit), then
-times every (ISA, configuration) on the same tensors, next to torch's fused CPU AdamW (and
-DeepSpeed's CPU Adam when importable), and reports each figure as a share of a memory
-bandwidth probe measured in the same run. Non-goal: GPU timing (benchmarks/e2e.py).
+times every (ISA, configuration) on the same tensors, next to torch's fused CPU AdamW (and,
+with ``--deepspeed``, DeepSpeed's CPU Adam when it is installed), and reports each figure as
+a share of a memory bandwidth probe measured in the same run. Non-goal: GPU timing
+(benchmarks/e2e.py).
 """
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import json
 import os
 import platform
@@ -125,7 +127,11 @@ class Workload:
             amsgrad=False, maximize=False)
 
     def deepspeed_cpu_adam(self):
-        """DeepSpeed's CPU Adam on the same fp32 tensors, or None when it cannot be loaded."""
+        """DeepSpeed's CPU Adam on the same fp32 tensors, or None (with the reason on stderr)
+        when it is not installed or cannot be built."""
+        if importlib.util.find_spec("deepspeed") is None:
+            _progress("--deepspeed: DeepSpeed is not installed (pip install deepspeed); no DeepSpeed row")
+            return None
         try:
             from deepspeed.ops.adam import DeepSpeedCPUAdam
             params = [torch.nn.Parameter(p) for p in self.params]
@@ -135,8 +141,8 @@ class Workload:
                                    weight_decay=HYPER["weight_decay"], adamw_mode=True)
             opt.step()
             return opt.step
-        except Exception as e:  # not installed, or its just-in-time build failed
-            _progress(f"DeepSpeed CPU Adam unavailable: {type(e).__name__}: {str(e)[:120]}")
+        except Exception as e:  # its just-in-time build failed
+            _progress(f"--deepspeed: DeepSpeed CPU Adam unavailable: {type(e).__name__}: {str(e)[:120]}")
             return None
 
 
@@ -156,14 +162,43 @@ def format_table(rows) -> str:
     return "\n".join(lines)
 
 
+_DESCRIPTION = """\
+Times the native AdamW and SignSGD kernels on CPU tensors, next to torch's fused CPU AdamW
+on the same tensors, after checking every kernel of every ISA against the pure-torch
+reference (cpu_offload.reference), bit for bit."""
+
+_EPILOG = """\
+columns:
+  isa            the kernel variant (torch: torch's fused AdamW, deepspeed: DeepSpeed's CPU Adam)
+  configuration  what one call does: AdamW with fp32 gradients; AdamW reading bf16 gradients and
+                 also writing the bf16 copy of the new weights; SignSGD bf16 -> bf16
+  ms             median time of one call over --repeats timed calls (default 7), after one
+                 warm-up call
+  GB/s           minimal bytes moved per element (reads + writes: AdamW 28 B, SignSGD 12 B)
+                 x elements / ms
+  Gelem/s        elements updated per second
+  of probe       GB/s as a share of the bandwidth probe measured in the same run: a stream
+                 x <- x*1 over max(4 x --numel, 128M) floats, one read and one write per element.
+                 The kernels move several streams at once (AdamW reads four, writes three),
+                 which memory can serve faster than one: above 100% is possible
+  x torch fused  torch's fused AdamW median / this row's median, the two timed alternately on
+                 the same tensors (> 1: this row is faster)
+
+timing: each timed call follows a 50 ms pause so torch's worker threads are asleep; rows
+are timed alternately with torch's fused AdamW so both see the same machine load."""
+
+
 def _parse(argv):
-    ap = argparse.ArgumentParser(prog="python -m cpu_offload.bench", description=__doc__.split("\n\n")[0])
+    ap = argparse.ArgumentParser(prog="python -m cpu_offload.bench", description=_DESCRIPTION, epilog=_EPILOG,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--numel", type=int, default=32 << 20, help="elements per configuration (default 32M)")
-    ap.add_argument("--tensors", type=int, default=1, help="split the elements over this many tensors")
+    ap.add_argument("--tensors", type=int, default=1, help="split the elements over this many tensors (default 1)")
     ap.add_argument("--threads", type=int, default=None, help="native worker threads (default: affinity mask)")
     ap.add_argument("--isa", action="append", choices=kernels._C.known_isas(),
                     help="time only this ISA (repeatable; default: every available one)")
-    ap.add_argument("--repeats", type=int, default=7, help="timed repetitions; the median is reported")
+    ap.add_argument("--repeats", type=int, default=7, help="timed calls per row; the median is reported (default 7)")
+    ap.add_argument("--deepspeed", action="store_true",
+                    help="add DeepSpeed's CPU Adam as a reference row (needs deepspeed installed)")
     ap.add_argument("--json", metavar="PATH", help="also write the results as JSON")
     args = ap.parse_args(argv)
     if args.numel < 1 or args.tensors < 1 or args.tensors > args.numel:
@@ -197,7 +232,7 @@ def main(argv=None) -> int:
     torch_step = work.torch_fused_adamw()
     torch_seconds = _median_seconds(torch_step, args.repeats)
     rows = [_row("torch fused AdamW fp32", "torch", torch_seconds, 28, args.numel, probe_gbs, torch_seconds)]
-    ds_step = work.deepspeed_cpu_adam()
+    ds_step = work.deepspeed_cpu_adam() if args.deepspeed else None
     if ds_step is not None:
         torch_seconds, seconds = _paired_median_seconds(torch_step, ds_step, args.repeats)
         rows.append(_row("DeepSpeed CPU Adam fp32", "deepspeed", seconds, 28, args.numel, probe_gbs, torch_seconds))
@@ -219,6 +254,9 @@ def main(argv=None) -> int:
     print(f"{cpu}, {meta['threads']} threads, {args.numel:,} elements in {args.tensors:,} tensors, "
           f"torch {torch.__version__}, probe {probe_gbs:.1f} GB/s")
     print(format_table(rows))
+    if any(r["probe_share"] > 1 for r in rows):
+        print("note: 'of probe' above 100%: the probe counts one read and one write per element, the kernels "
+              "move several streams at once, which memory can serve faster (see --help)")
     if args.json:
         with open(args.json, "w") as f:
             json.dump(dict(meta=meta, rows=rows), f, indent=2)

@@ -38,3 +38,29 @@ def test_bench_rejects_bad_options(argv):
     with pytest.raises(SystemExit) as e:
         bench.main(argv)
     assert e.value.code == 2
+
+
+def test_deepspeed_row_only_when_asked_for(monkeypatch, capsys):
+    import importlib.util
+
+    small = ["--numel", "4099", "--repeats", "1", "--isa", "scalar"]
+    assert bench.main(small) == 0
+    captured = capsys.readouterr()
+    assert "deepspeed" not in (captured.out + captured.err).lower()  # not asked: silent
+    real_find_spec = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "deepspeed"
+                        else real_find_spec(name, *a))
+    assert bench.main(small + ["--deepspeed"]) == 0
+    captured = capsys.readouterr()
+    assert "--deepspeed: DeepSpeed is not installed" in captured.err and "deepspeed" not in captured.out
+
+
+def test_help_explains_columns_and_timing(capsys):
+    with pytest.raises(SystemExit) as e:
+        bench.main(["--help"])
+    assert e.value.code == 0
+    text = capsys.readouterr().out
+    for column in ("isa", "configuration", "ms", "GB/s", "Gelem/s", "of probe", "x torch fused"):
+        assert f"\n  {column} " in text, column
+    assert "median time of one call over --repeats timed calls (default 7)" in text
+    assert "above 100% is possible" in text and "``" not in text
