@@ -11,30 +11,12 @@ from __future__ import annotations
 
 import torch
 
-from cpu_offload.host_state import ParamRecord, local_of
+from cpu_offload.dtensor import as_dtensor_like, local_of
+from cpu_offload.host_state import ParamRecord
 
 __all__ = ["state_view", "state_dict", "load_state_dict"]
 
 _HOST_KEYS = ("master", "exp_avg", "exp_avg_sq")
-
-
-def _as_dtensor_like(local: torch.Tensor, param: torch.Tensor) -> torch.Tensor:
-    """``local`` (a host shard) as a DTensor laid out like the FSDP2 ``param``.
-
-    NOTE: ``DTensor.from_local`` would move the shard to the mesh's device; the
-    constructor keeps it in host RAM, as FSDP2's own CPU offload does.
-    """
-    from torch.distributed.tensor import DTensor
-
-    try:
-        from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta
-
-        spec = param._spec
-        meta = TensorMeta(spec.tensor_meta.shape, spec.tensor_meta.stride, local.dtype)
-        return DTensor(local, DTensorSpec(spec.mesh, spec.placements, tensor_meta=meta), requires_grad=False)
-    except (ImportError, AttributeError, TypeError):  # pragma: no cover - other torch layouts
-        return DTensor.from_local(local, param.device_mesh, param.placements, shape=param.shape,
-                                  stride=param.stride(), run_check=False)
 
 
 def _entry(opt, rec: ParamRecord) -> dict:
@@ -44,7 +26,7 @@ def _entry(opt, rec: ParamRecord) -> dict:
         if flat is None:
             continue
         t = flat.view(rec.shape)
-        out[key] = _as_dtensor_like(t, rec.param) if rec.is_dtensor else t
+        out[key] = as_dtensor_like(t, rec.param)
     return out
 
 

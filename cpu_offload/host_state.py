@@ -16,30 +16,17 @@ from typing import Iterable, Optional
 import psutil
 import torch
 
+# NOTE: local_of is imported from here by full_offload.py; dtensor.py is its home.
+from cpu_offload.dtensor import is_dtensor, local_of
+
 __all__ = [
     "ParamRecord", "HostBuffers", "collect_records", "check_fsdp_not_started", "host_bytes_needed",
-    "check_host_ram", "allocate_host_state", "cast_param", "cast_to_compute", "restore_dtypes", "is_dtensor",
-    "local_of", "note_versions", "adopt_external_weights",
+    "check_host_ram", "allocate_host_state", "cast_param", "cast_to_compute", "restore_dtypes",
+    "note_versions", "adopt_external_weights",
 ]
 
 # Elements per 64-byte line of fp32: every per-parameter view starts aligned.
 _ALIGN_ELEMS = 16
-
-
-def is_dtensor(t: torch.Tensor) -> bool:
-    try:
-        from torch.distributed.tensor import DTensor
-    except ImportError:  # pragma: no cover - torch built without distributed
-        return False
-    return isinstance(t, DTensor)
-
-
-def local_of(t: torch.Tensor) -> torch.Tensor:
-    """The local shard of an FSDP2 DTensor, or the tensor itself."""
-    if is_dtensor(t):
-        with torch.no_grad():
-            return t.to_local()
-    return t
 
 
 @dataclass(eq=False)
@@ -75,7 +62,7 @@ class ParamRecord:
     def local(self) -> torch.Tensor:
         """The device tensor holding the compute copy (looked up each time: FSDP2
         may replace the local tensor object when it re-pads)."""
-        return self.param._local_tensor if self.is_dtensor else self.param
+        return local_of(self.param) if self.is_dtensor else self.param
 
     def reset_window(self) -> None:
         self.has_accum = False

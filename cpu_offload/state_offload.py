@@ -13,25 +13,10 @@ from __future__ import annotations
 
 import torch
 
-from cpu_offload.host_state import is_dtensor
+from cpu_offload.dtensor import as_dtensor_like, local_of
 from cpu_offload.wrapping import adopt_optimizer, load_state_dict_with_hooks, state_dict_with_hooks
 
 __all__ = ["StateOffloadOptimizer"]
-
-
-def _rewrap(local: torch.Tensor, like):
-    """``local`` with the DTensor layout of ``like`` (or ``local`` itself)."""
-    if not is_dtensor(like):
-        return local
-    from torch.distributed.tensor import DTensor
-
-    return DTensor(local, like._spec, requires_grad=False)
-
-
-def _local(t: torch.Tensor) -> torch.Tensor:
-    # NOTE: the local tensor object itself (not host_state.local_of's to_local()),
-    # because host buffers are recognised by identity.
-    return t._local_tensor if is_dtensor(t) else t
 
 
 class StateOffloadOptimizer(torch.optim.Optimizer):
@@ -74,22 +59,22 @@ class StateOffloadOptimizer(torch.optim.Optimizer):
 
     def _to_device(self) -> None:
         for p, st in self.optimizer.state.items():
-            device = _local(p).device
+            device = local_of(p).device
             for key, value in st.items():
-                if not isinstance(value, torch.Tensor) or self._host.get((id(p), key)) is not _local(value):
+                if not isinstance(value, torch.Tensor) or self._host.get((id(p), key)) is not local_of(value):
                     continue
-                host = _local(value)
+                host = local_of(value)
                 dev = torch.empty(host.shape, dtype=host.dtype, device=device)
-                st[key] = _rewrap(dev.copy_(host, non_blocking=True), value)
+                st[key] = as_dtensor_like(dev.copy_(host, non_blocking=True), value)
 
     def _to_host(self) -> None:
         streams = {}
         for p, st in self.optimizer.state.items():
-            device = _local(p).device
+            device = local_of(p).device
             for key, value in st.items():
                 if not isinstance(value, torch.Tensor) or value.dim() == 0:
                     continue  # scalars such as AdamW's "step" stay where they are
-                local = _local(value)
+                local = local_of(value)
                 if local.device != device or local is self._host.get((id(p), key)):
                     continue
                 host = self._host.get((id(p), key))
@@ -100,7 +85,7 @@ class StateOffloadOptimizer(torch.optim.Optimizer):
                 # back is ordered after it on the same stream; host readers call
                 # _wait() first.
                 host.copy_(local, non_blocking=self.pin_memory)
-                st[key] = _rewrap(host, value)
+                st[key] = as_dtensor_like(host, value)
                 if self.pin_memory and local.device.type == "cuda":
                     streams.setdefault(local.device, torch.cuda.current_stream(local.device))
         for stream in streams.values():

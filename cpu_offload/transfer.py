@@ -29,7 +29,6 @@ class Slot:
     ``marker`` is the completion marker of the last transfer that read the slot.
     """
 
-    ring: str
     index: int
     buf: torch.Tensor  # uint8, ``nbytes`` long
     owner: Optional[int] = None
@@ -64,7 +63,7 @@ class HostRing:
         # locks every page), so it happens here, once, never in a backward hook.
         self._storage = torch.empty(num_slots * slot_bytes, dtype=torch.uint8, pin_memory=pin)
         self.slots = [
-            Slot(name, i, self._storage[i * slot_bytes : (i + 1) * slot_bytes]) for i in range(num_slots)
+            Slot(i, self._storage[i * slot_bytes : (i + 1) * slot_bytes]) for i in range(num_slots)
         ]
 
     @property

@@ -2,7 +2,6 @@
 # Every topology here is a fake sysfs tree written into tmp_path; bind() runs in a
 # subprocess because it changes the CPU affinity of the whole process.
 
-import importlib
 import json
 import logging
 import os
@@ -377,16 +376,6 @@ def test_bind_sets_affinity_of_every_thread_and_sizes_pools():
     assert data["torch"] == 1
 
 
-def _native_pool_available():
-    try:
-        importlib.import_module("cpu_offload._C")
-        importlib.import_module("cpu_offload.kernels")
-    except ImportError:
-        return False
-    return True
-
-
-@pytest.mark.skipif(not _native_pool_available(), reason="cpu_offload._C is not built")
 def test_bind_pins_the_native_pool():
     out = run_python("""
         import json, os, torch
