@@ -48,8 +48,10 @@ from cpu_offload import checkpoint, ownership
 from cpu_offload.backward_tracking import outside_backward, watch_backward
 from cpu_offload.host_state import (
     adopt_external_weights, allocate_host_state, cast_to_compute, check_fsdp_not_started, check_host_ram,
-    collect_records, host_bytes_needed, local_of, note_versions, restore_dtypes,
+    collect_records, host_bytes_needed, note_versions, restore_dtypes,
 )
+from cpu_offload.dtensor import local_of
+from cpu_offload.dtype_hint import watch_first_forward
 from cpu_offload.full_offload_setup import (
     bind_for, check_optimizer, check_options, read_hparams, staging_slot_bytes,
 )
@@ -194,6 +196,8 @@ class FullCPUOffloadOptimizer(torch.optim.Optimizer):
         self._last_stats: dict = {}
         note_versions(records)
         self._finalizer = weakref.finalize(self, _shutdown, records, self._pipeline, transfer)
+        if any(dtype.itemsize > compute_dtype.itemsize for dtype in originals.values()):
+            watch_first_forward(self, compute_dtype)  # explains the dtype error of fp32 inputs
         self._phase = Phase.IDLE
 
     # ------------------------------------------------------------ backward

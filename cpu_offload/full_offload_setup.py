@@ -31,8 +31,14 @@ def check_optimizer(optimizer) -> str:
         return "adamw"
     if type(optimizer) is SignSGD:
         return "sign_sgd"
+    cls = type(optimizer)
+    name = f"torch.optim.{cls.__name__}" if cls.__module__.startswith("torch.optim") else cls.__qualname__
+    also = ("; or build torch.optim.AdamW instead (with weight_decay=0 it makes the same update as "
+            "torch.optim.Adam without weight decay)") if cls is torch.optim.Adam else ""
     raise TypeError(
-        f"offload='full' supports torch.optim.AdamW and cpu_offload.SignSGD, got {type(optimizer).__name__}"
+        f"offload='full' runs only torch.optim.AdamW and cpu_offload.SignSGD on the CPU, got {name}: use "
+        f"offload='optimizer' (the default), which keeps any torch optimizer's state in host RAM between "
+        f"steps{also}"
     )
 
 

@@ -16,7 +16,6 @@ from typing import Iterable, Optional
 import psutil
 import torch
 
-# NOTE: local_of is imported from here by full_offload.py; dtensor.py is its home.
 from cpu_offload.dtensor import is_dtensor, local_of
 
 __all__ = [

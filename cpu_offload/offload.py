@@ -1,9 +1,8 @@
 # The one offload setting: offload_optimizer(optimizer, offload=...).
 #
-# Scope: validate the mode, its keyword options and (for "full") the optimizer type, with
-# errors that say what to write instead; return the optimizer unchanged ("none"), a
-# StateOffloadOptimizer ("optimizer", the default) or a FullCPUOffloadOptimizer ("full"),
-# the latter with the first-forward dtype hint (dtype_hint.py).
+# Scope: validate the mode and its keyword options, with errors that say what to write
+# instead; return the optimizer unchanged ("none"), a StateOffloadOptimizer ("optimizer",
+# the default) or a FullCPUOffloadOptimizer ("full").
 # Non-goals: aliases or guessing (an unknown mode is a ValueError, an unknown keyword a
 # TypeError, whatever it may have meant), anything the wrappers themselves do.
 
@@ -11,9 +10,7 @@ from __future__ import annotations
 
 import torch
 
-from cpu_offload.dtype_hint import watch_first_forward
 from cpu_offload.full_offload import FullCPUOffloadOptimizer
-from cpu_offload.optim import SignSGD
 from cpu_offload.state_offload import StateOffloadOptimizer
 
 __all__ = ["offload_optimizer", "OFFLOAD_MODES"]
@@ -44,20 +41,6 @@ def _unknown_keywords(offload: str, options: dict) -> str:
     elsewhere = [f"{key} is an option of offload={mode!r}" for key in unknown
                  for mode, keys in _OPTIONS.items() if key in keys]
     return message + ("; " + ", ".join(elsewhere) if elsewhere else "")
-
-
-def _check_full_optimizer(optimizer: torch.optim.Optimizer) -> None:
-    cls = type(optimizer)
-    if cls in (torch.optim.AdamW, SignSGD):
-        return
-    name = f"torch.optim.{cls.__name__}" if cls.__module__.startswith("torch.optim") else cls.__qualname__
-    also = ("; or build torch.optim.AdamW instead (with weight_decay=0 it makes the same update as "
-            "torch.optim.Adam without weight decay)") if cls is torch.optim.Adam else ""
-    raise TypeError(
-        f"offload='full' runs only torch.optim.AdamW and cpu_offload.SignSGD on the CPU, got {name}: use "
-        f"offload='optimizer' (the default), which keeps any torch optimizer's state in host RAM between "
-        f"steps{also}"
-    )
 
 
 def offload_optimizer(optimizer: torch.optim.Optimizer, offload: str = "optimizer", **options):
@@ -91,9 +74,4 @@ def offload_optimizer(optimizer: torch.optim.Optimizer, offload: str = "optimize
         return optimizer
     if offload == "optimizer":
         return StateOffloadOptimizer(optimizer, **options)
-    _check_full_optimizer(optimizer)
-    wrapper = FullCPUOffloadOptimizer(optimizer, grad_accum_steps=grad_accum_steps, **options)
-    compute_dtype = options.get("compute_dtype", torch.bfloat16)
-    if compute_dtype != torch.float32:
-        watch_first_forward(wrapper, compute_dtype)
-    return wrapper
+    return FullCPUOffloadOptimizer(optimizer, grad_accum_steps=grad_accum_steps, **options)

@@ -219,7 +219,7 @@ def test_stats_and_bounded_staging():
     grad_elems = sum(r.numel for r in off._records if r.step)
     assert st["d2h_bytes"] == 2 * grad_elems and st["h2d_bytes"] == 2 * grad_elems
     assert st["pinned_bytes"] <= SMALL["pinned_bytes"]
-    assert st["kernel_s"] > 0 and st["step_blocked_s"] >= 0 and st["host_bytes"] > 0
+    assert st["kernel_s"] > 0 and st["host_bytes"] > 0
     assert off.param_groups is off.optimizer.param_groups
 
 
@@ -412,3 +412,20 @@ def test_state_dict_hooks_run_like_torch():
     assert sd["extra"] == 1
     off.load_state_dict(sd)
     assert calls == [("pre", True), ("post", True), ("load_pre", 1), ("load_post", True)]
+
+
+def test_step_blocked_counts_the_tail_after_backward(monkeypatch):
+    import time
+    real = runner_mod.kernels.adamw_step
+
+    def slow(*args, **kwargs):
+        time.sleep(0.05)
+        return real(*args, **kwargs)
+    model, opt = build("adamw")
+    off = FullCPUOffloadOptimizer(opt, **SMALL)
+    monkeypatch.setattr(runner_mod.kernels, "adamw_step", slow)
+    model(torch.randn(2, 24, dtype=torch.bfloat16)).float().sum().backward()
+    off.step()
+    # the last chunk is queued when backward ends, so the loop waits at least its kernel
+    assert off.stats()["step_blocked_s"] >= 0.05
+    assert off.stats()["kernel_s"] >= 0.05 * off.stats()["chunks"]
