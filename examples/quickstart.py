@@ -26,7 +26,7 @@ for offload in ("optimizer", "full", "none"):
         with torch.autocast(device, dtype=torch.bfloat16):
             loss = torch.nn.functional.mse_loss(model(x).float(), target)
         loss.backward()
-        opt.step()  # with "full": waits for the tail of the CPU work that already ran during backward
+        opt.step()  # with "full": the update already ran during backward; step() closes the window
         opt.zero_grad()
         scheduler.step()  # torch LR schedulers keep working
         print(f"{offload:<9} step {step:2d} loss {loss.item():.4f}")
