@@ -2,7 +2,8 @@
 
 Scope: check every tensor argument (type, device, dtype, contiguity, sizes, overlap) and
 raise a TypeError/ValueError that names the argument and index, then hand raw pointers to
-the native code, which releases the GIL while it works. Non-goal: autograd, CUDA tensors.
+the native code, which releases the GIL while it works; check thread counts and CPU ids
+against the process's affinity mask. Non-goal: autograd, CUDA tensors.
 
 NOTE: a validated tensor list is cached by the identity of its tensor objects, so calling
 again with the same tensor objects skips the per-tensor checks (they cost more than the
@@ -24,6 +25,7 @@ from typing import Iterator, Optional, Sequence
 import torch
 
 from cpu_offload import _C
+from cpu_offload.topology import format_cpulist
 
 __all__ = [
     "adamw_step",
@@ -78,10 +80,23 @@ def use_isa(name: str) -> Iterator[None]:
         _C.set_isa(previous)
 
 
+def _allowed_cpus() -> set:
+    """The CPUs this process (its calling thread) may run on."""
+    return os.sched_getaffinity(0)
+
+
 def set_num_threads(n: int) -> None:
-    """Sets the number of native worker threads (default: CPUs in the affinity mask)."""
+    """Sets the number of native worker threads (default: CPUs in the affinity mask).
+
+    Raises ValueError unless ``1 <= n <=`` the number of CPUs in the affinity mask: the
+    kernels are memory-bound, and more threads than CPUs only adds contention.
+    """
     if isinstance(n, bool) or not isinstance(n, int) or n < 1:
         raise ValueError(f"n must be a positive int, got {n!r}")
+    allowed = _allowed_cpus()
+    if n > len(allowed):
+        raise ValueError(f"n={n} is more than the {len(allowed)} CPUs this process may use "
+                         f"(affinity mask {format_cpulist(allowed)})")
     _C.set_num_threads(n)
 
 
@@ -90,12 +105,20 @@ def get_num_threads() -> int:
 
 
 def pin_threads(cpus: Optional[Sequence[int]]) -> None:
-    """Pins native worker k to ``cpus[k % len(cpus)]``; ``None`` or ``[]`` unpins."""
+    """Pins native worker k to ``cpus[k % len(cpus)]``; ``None`` or ``[]`` unpins.
+
+    Raises ValueError, before anything changes, for an id that is not an int or not in
+    the process's affinity mask (``os.sched_getaffinity(0)``).
+    """
     cpus = [] if cpus is None else list(cpus)
+    allowed = _allowed_cpus()
     for i, c in enumerate(cpus):
         if isinstance(c, bool) or not isinstance(c, int) or c < 0:
             raise ValueError(f"cpus[{i}] must be a non-negative int, got {c!r}")
-    _C.pin_threads(cpus)
+        if c not in allowed:
+            raise ValueError(f"cpus[{i}]={c} is not a CPU this process may use "
+                             f"(affinity mask {format_cpulist(allowed)})")
+    _C.pin_threads(cpus)  # NOTE: validates again: the mask may have changed meanwhile
 
 
 def get_pinned_cpus() -> Optional[list]:

@@ -39,8 +39,14 @@ def _clone(state):
     return {k: ([t.clone() for t in v] if isinstance(v, list) else v.clone()) for k, v in state.items()}
 
 
+def _use_threads(n):
+    # NOTE: through _C: up to 3 workers even on a 2-CPU machine, on purpose (results must not
+    # depend on the worker count); kernels.set_num_threads refuses more than the CPUs.
+    _C.set_num_threads(n)
+
+
 def _run_adamw(state, out_dtype, isa, threads, steps=2, out_offset=0):
-    kernels.set_num_threads(threads)
+    _use_threads(threads)
     out = None if out_dtype is None else [torch.empty(p.numel() + out_offset, dtype=out_dtype)[out_offset:]
                                           for p in state["params"]]
     with kernels.use_isa(isa):
@@ -86,7 +92,7 @@ def test_sign_sgd_and_accumulate_isa_equal_scalar(isa, grad_dtype, threads, spli
     grads[3][::5] = 0  # sign(0) = 0
     results = {}
     for which, n_threads in (("ref", 1), ("isa", threads)):
-        kernels.set_num_threads(n_threads)
+        _use_threads(n_threads)
         p = [t.clone() for t in params]
         out = [torch.empty(t.numel() + 5, dtype=torch.bfloat16)[5:] for t in p]
         acc = [torch.empty(t.numel()) for t in p]
@@ -223,22 +229,31 @@ def test_sign_sgd_and_accumulate_reject_bad_input():
 
 
 def test_threads_and_pinning_settings():
+    allowed = sorted(os.sched_getaffinity(0))
+    outside = next(c for c in range(1024) if c not in allowed)
+    pinned = kernels.get_pinned_cpus()   # (an earlier test may have bound the process)
     with pytest.raises(ValueError, match=r"n must be a positive int"):
         kernels.set_num_threads(0)
+    with pytest.raises(ValueError, match=rf"n={len(allowed) + 1} is more than the {len(allowed)} CPUs"):
+        kernels.set_num_threads(len(allowed) + 1)
     with pytest.raises(ValueError, match=r"cpus\[1\]"):
-        kernels.pin_threads([0, -1])
-    kernels.set_num_threads(3)
-    assert kernels.get_num_threads() == 3
-    cpu = sorted(os.sched_getaffinity(0))[0]
+        kernels.pin_threads([allowed[0], -1])
+    with pytest.raises(ValueError, match=rf"cpus\[0\]={outside} is not a CPU this process may use"):
+        kernels.pin_threads([outside])
+    assert kernels.get_pinned_cpus() == pinned
+    kernels.set_num_threads(len(allowed))
+    assert kernels.get_num_threads() == len(allowed)
+    cpu = allowed[0]
     kernels.pin_threads([cpu])
     try:
         assert kernels.get_pinned_cpus() == [cpu]
         p = [torch.zeros(1 << 20)]
         kernels.sign_sgd_step(p, [torch.ones(1 << 20)], lr=1.0, weight_decay=0.0)
         assert torch.equal(p[0], torch.full((1 << 20,), -1.0))
-    finally:
         kernels.pin_threads(None)
-    assert kernels.get_pinned_cpus() is None
+        assert kernels.get_pinned_cpus() is None
+    finally:
+        kernels.pin_threads(pinned)
 
 
 def test_cache_entry_dies_with_its_tensors_and_changed_lists_are_revalidated():
@@ -273,7 +288,7 @@ def test_isa_override_env(tmp_path):
 def test_pool_works_after_fork():
     code = (
         "import os, torch, cpu_offload.kernels as k\n"
-        "k.set_num_threads(2); p=[torch.zeros(1<<20)]; g=[torch.ones(1<<20)]\n"
+        "k._C.set_num_threads(2); p=[torch.zeros(1<<20)]; g=[torch.ones(1<<20)]\n"
         "k.sign_sgd_step(p, g, lr=1.0, weight_decay=0.0)\n"
         "pid = os.fork()\n"
         "if pid == 0:\n"
