@@ -1,6 +1,7 @@
 // PYBIND11_MODULE only: raw pointers and sizes in, GIL released while kernels run.
-// Input validation that can name a tensor lives in cpu_offload/kernels.py; the checks
-// here (overlap, counts, ISA names) raise ValueError through pybind11.
+// Input validation that can name a tensor lives in cpu_offload/kernels.py (raw pointers
+// cannot be checked here; _C is private); the checks here (overlap, counts, dtype codes
+// against element sizes, steps aliasing, ISA names) raise ValueError through pybind11.
 #include <pybind11/pybind11.h>
 #include <pybind11/stl.h>
 #include <cmath>
@@ -26,10 +27,49 @@ void require_roles(const TensorBatch& b, int lo, int hi, const char* kernel) {
     throw std::invalid_argument(std::string(kernel) + ": batch has the wrong number of operands");
 }
 
+DType grad_dtype_of(int code) {
+  if (code != static_cast<int>(DType::f32) && code != static_cast<int>(DType::bf16))
+    throw std::invalid_argument("grad_dtype: unknown dtype code " + std::to_string(code));
+  return static_cast<DType>(code);
+}
+
+// The output kind for a batch whose optional last role (compute_params) is `out_role`.
+OutKind out_kind_of(const TensorBatch& b, int out_role, int code) {
+  if (b.roles() <= out_role) return OutKind::none;
+  if (code != static_cast<int>(OutKind::f32) && code != static_cast<int>(OutKind::bf16))
+    throw std::invalid_argument("out_kind: unknown output code " + std::to_string(code));
+  return static_cast<OutKind>(code);
+}
+
+int width(DType d) { return d == DType::f32 ? 4 : 2; }
+int width(OutKind k) { return k == OutKind::bf16 ? 2 : 4; }
+
+// NOTE: the kernels derive element widths from the dtype codes; a batch built with other
+// widths would make them read or write past a tensor, so the two must agree.
+void require_widths(const TensorBatch& b, std::initializer_list<int> widths, const char* kernel) {
+  int r = 0;
+  for (int w : widths) {
+    if (r < b.roles() && b.elem_size(r) != w)
+      throw std::invalid_argument(std::string(kernel) + ": " + b.role_name(r) + " has " +
+                                  std::to_string(b.elem_size(r)) + "-byte elements, expected " + std::to_string(w));
+    ++r;
+  }
+}
+
 // Roles: params, grads, exp_avgs, exp_avg_sqs[, compute_params]. steps: int64[size()].
 void adamw(const TensorBatch& b, int grad_dtype, int out_kind, uintptr_t steps_ptr, double lr, double beta1,
            double beta2, double eps, double weight_decay, double grad_scale) {
   require_roles(b, 4, 5, "adamw");
+  const DType gd = grad_dtype_of(grad_dtype);
+  const OutKind ok = out_kind_of(b, 4, out_kind);
+  require_widths(b, {4, width(gd), 4, 4, width(ok)}, "adamw");
+  if (b.size() > 0 && steps_ptr == 0) throw std::invalid_argument("adamw: steps is a null pointer");
+  // steps is written too, so it must not share memory with any operand.
+  const uintptr_t steps_end = steps_ptr + static_cast<uintptr_t>(b.size()) * sizeof(int64_t);
+  for (int r = 0; r < b.roles(); ++r)
+    for (int64_t t = 0; t < b.size(); ++t)
+      if (b.numel(t) > 0 && b.ptr(r, t) < steps_end && steps_ptr < b.ptr(r, t) + b.numel(t) * b.elem_size(r))
+        throw std::invalid_argument("steps and " + b.role_name(r) + "[" + std::to_string(t) + "] overlap in memory");
   py::gil_scoped_release release;
   auto* steps = reinterpret_cast<int64_t*>(steps_ptr);
   std::vector<AdamWScalars> scalars(b.size());
@@ -44,10 +84,8 @@ void adamw(const TensorBatch& b, int grad_dtype, int out_kind, uintptr_t steps_p
                   static_cast<float>(eps * bc2_sqrt),    static_cast<float>(-(lr * bc2_sqrt / bc1))};
   }
   const KernelTable& k = active_kernels();
-  const auto gd = static_cast<DType>(grad_dtype);
-  const auto ok = b.roles() == 5 ? static_cast<OutKind>(out_kind) : OutKind::none;
   b.parallel_ranges([&](int64_t t, int64_t lo, int64_t hi) {
-    const int gsz = gd == DType::f32 ? 4 : 2, osz = ok == OutKind::bf16 ? 2 : 4;
+    const int gsz = width(gd), osz = width(ok);
     k.adamw(scalars[t], reinterpret_cast<float*>(b.ptr(0, t)) + lo,
             reinterpret_cast<const char*>(b.ptr(1, t)) + lo * gsz, gd,
             reinterpret_cast<float*>(b.ptr(2, t)) + lo, reinterpret_cast<float*>(b.ptr(3, t)) + lo,
@@ -58,13 +96,14 @@ void adamw(const TensorBatch& b, int grad_dtype, int out_kind, uintptr_t steps_p
 // Roles: params, grads[, compute_params].
 void sign_sgd(const TensorBatch& b, int grad_dtype, int out_kind, double lr, double weight_decay) {
   require_roles(b, 2, 3, "sign_sgd");
+  const DType gd = grad_dtype_of(grad_dtype);
+  const OutKind ok = out_kind_of(b, 2, out_kind);
+  require_widths(b, {4, width(gd), width(ok)}, "sign_sgd");
   py::gil_scoped_release release;
   const SignSGDScalars s{static_cast<float>(1.0 - lr * weight_decay), static_cast<float>(lr)};
   const KernelTable& k = active_kernels();
-  const auto gd = static_cast<DType>(grad_dtype);
-  const auto ok = b.roles() == 3 ? static_cast<OutKind>(out_kind) : OutKind::none;
   b.parallel_ranges([&](int64_t t, int64_t lo, int64_t hi) {
-    const int gsz = gd == DType::f32 ? 4 : 2, osz = ok == OutKind::bf16 ? 2 : 4;
+    const int gsz = width(gd), osz = width(ok);
     k.sign_sgd(s, reinterpret_cast<float*>(b.ptr(0, t)) + lo,
                reinterpret_cast<const char*>(b.ptr(1, t)) + lo * gsz, gd,
                ok == OutKind::none ? nullptr : reinterpret_cast<char*>(b.ptr(2, t)) + lo * osz, ok, hi - lo);
@@ -74,10 +113,11 @@ void sign_sgd(const TensorBatch& b, int grad_dtype, int out_kind, double lr, dou
 // Roles: accumulators, grads.
 void accumulate(const TensorBatch& b, int grad_dtype, bool add) {
   require_roles(b, 2, 2, "accumulate");
+  const DType gd = grad_dtype_of(grad_dtype);
+  require_widths(b, {4, width(gd)}, "accumulate");
   py::gil_scoped_release release;
   const KernelTable& k = active_kernels();
-  const auto gd = static_cast<DType>(grad_dtype);
-  const int gsz = gd == DType::f32 ? 4 : 2;
+  const int gsz = width(gd);
   b.parallel_ranges([&](int64_t t, int64_t lo, int64_t hi) {
     k.accumulate(reinterpret_cast<float*>(b.ptr(0, t)) + lo,
                  reinterpret_cast<const char*>(b.ptr(1, t)) + lo * gsz, gd, add, hi - lo);

@@ -211,6 +211,12 @@ def test_overlapping_tensors_are_rejected():
     args["grads"] = [args["params"][0], torch.zeros(8)]   # a gradient aliasing a parameter
     with pytest.raises(ValueError, match=r"overlap"):
         kernels.adamw_step(**args, lr=1e-3, beta1=0.9, beta2=0.9, eps=1e-8, weight_decay=0.0)
+    args = _good(2)
+    buf = torch.zeros(8)
+    args["params"][1] = buf
+    args["steps"] = buf.view(torch.int64)[:2]              # written too: must not alias an operand
+    with pytest.raises(ValueError, match=r"steps and params\[1\] overlap"):
+        kernels.adamw_step(**args, lr=1e-3, beta1=0.9, beta2=0.9, eps=1e-8, weight_decay=0.0)
     out = torch.zeros(8, dtype=torch.bfloat16)
     with pytest.raises(ValueError, match=r"compute_params\[1\]"):
         kernels.sign_sgd_step([torch.zeros(8), torch.zeros(8)], [torch.zeros(8), torch.zeros(8)], lr=1.0,
