@@ -2,10 +2,13 @@
 // Input validation that can name a tensor lives in cpu_offload/kernels.py (raw pointers
 // cannot be checked here; _C is private); the checks here (overlap, counts, dtype codes
 // against element sizes, steps aliasing, ISA names) raise ValueError through pybind11.
+// TensorBatch.unchanged() is the cache check of kernels.py: it asks each tensor for its
+// memory through torch.Tensor's own descriptors, passed in, so no torch header is needed.
 #include <pybind11/pybind11.h>
 #include <pybind11/stl.h>
 #include <cmath>
 #include <cstring>
+#include <string_view>
 #include <stdexcept>
 #include "batch.h"
 #include "dispatch.h"
@@ -153,6 +156,110 @@ py::bytes identity_key(const py::tuple& lists) {
   return py::bytes(key);
 }
 
+// ---------------------------------------------------------------- cache check
+
+// One torch.Tensor accessor (a method or getset descriptor), called through its C entry
+// point. NOTE: that is what CPython's descriptor call does, minus building a bound method
+// or an argument tuple; the check below runs it several times per tensor per call, and
+// that has to stay well below the kernel's own time (see kernels.py).
+class Accessor {
+ public:
+  explicit Accessor(py::handle descr) : descr_(descr.ptr()) {
+    if (Py_TYPE(descr_) == &PyGetSetDescr_Type) {
+      getset_ = reinterpret_cast<PyGetSetDescrObject*>(descr_)->d_getset;
+      if (!getset_->get) throw std::invalid_argument("accessor: getset descriptor without getter");
+    } else if (Py_TYPE(descr_) == &PyMethodDescr_Type) {
+      method_ = reinterpret_cast<PyMethodDescrObject*>(descr_)->d_method;
+      const int flags = method_->ml_flags & ~METH_COEXIST;
+      if (flags != METH_NOARGS && flags != (METH_VARARGS | METH_KEYWORDS)) method_ = nullptr;  // generic call
+    } else {
+      throw std::invalid_argument("accessor: expected a method or getset descriptor");
+    }
+    type_ = PyDescr_TYPE(descr_);
+  }
+  PyTypeObject* type() const { return type_; }
+
+  // A new reference, or nullptr with a Python error set. `self` must be a type() instance.
+  PyObject* operator()(PyObject* self) const {
+    if (getset_) return getset_->get(self, getset_->closure);
+    if (!method_) return PyObject_Vectorcall(descr_, &self, 1, nullptr);
+    if (method_->ml_flags & METH_NOARGS) return method_->ml_meth(self, nullptr);
+    static PyObject* const no_args = PyTuple_New(0);  // NOTE: immortal for the process
+    return reinterpret_cast<PyCFunctionWithKeywords>(reinterpret_cast<void (*)(void)>(method_->ml_meth))(
+        self, no_args, nullptr);
+  }
+
+ private:
+  PyObject* descr_;
+  PyTypeObject* type_ = nullptr;
+  PyGetSetDef* getset_ = nullptr;
+  PyMethodDef* method_ = nullptr;
+};
+
+// True when every tensor of `lists` (one tuple per role, in the batch's order) still has
+// exactly the memory the batch was built from: the same data pointer, element count and
+// dtype (`dtypes`, one per role), contiguous, on the CPU. `accessors` is (data_ptr, numel,
+// is_contiguous, dtype, is_cpu) of torch.Tensor. Any mismatch or error answers False (the
+// caller then validates from scratch and names what is wrong).
+// `hints`: optional packed uintptr_t pairs, per role and tensor, of addresses of the
+// tensor's internals (torch's own `_cdata` of the tensor and of its storage).
+// NOTE: hints are only ever prefetched, never read: a stale or wrong address costs time,
+// nothing else. They let the memory latency of the next tensors' metadata overlap with the
+// accessor calls of this one; the kernel has just streamed it out of the caches.
+bool batch_unchanged(const TensorBatch& b, const py::tuple& lists, const py::tuple& dtypes,
+                     const py::tuple& accessors, const py::bytes& hints_bytes) {
+  if (accessors.size() != 5) throw std::invalid_argument("unchanged: expected 5 accessors");
+  const Accessor data_ptr(accessors[0]), numel(accessors[1]), is_contiguous(accessors[2]), dtype(accessors[3]),
+      is_cpu(accessors[4]);
+  PyTypeObject* tensor_type = data_ptr.type();
+  for (const Accessor* a : {&numel, &is_contiguous, &dtype, &is_cpu})
+    if (a->type() != tensor_type) throw std::invalid_argument("unchanged: accessors of different types");
+  if (static_cast<int>(lists.size()) != b.roles() || dtypes.size() != lists.size()) return false;
+  const std::string_view hints_view = hints_bytes;
+  const auto* hints = reinterpret_cast<const uintptr_t*>(hints_view.data());
+  const bool hinted = hints_view.size() == 2 * sizeof(uintptr_t) * b.roles() * b.size();
+  constexpr int64_t kAhead = 8;  // tensors prefetched ahead
+
+  auto take = [](PyObject* r) {  // consumes r; the value of a Python int, or ~0 on error
+    if (!r) return ~0ULL;
+    const unsigned long long v = PyLong_Check(r) ? PyLong_AsUnsignedLongLongMask(r) : ~0ULL;
+    Py_DECREF(r);
+    return v;
+  };
+  auto is = [](PyObject* r, PyObject* want) {  // consumes r
+    const bool same = r == want;
+    Py_XDECREF(r);
+    return same;
+  };
+  bool ok = true;
+  for (int r = 0; ok && r < b.roles(); ++r) {
+    // NOTE: tuples only: nothing can change them (or free their tensors) during the check.
+    PyObject* lst = lists[r].ptr();
+    PyObject* want_dtype = dtypes[r].ptr();
+    if (!PyTuple_Check(lst) || PyTuple_GET_SIZE(lst) != b.size()) return false;
+    PyObject* const* items = &PyTuple_GET_ITEM(lst, 0);
+    const auto* role_hints = hinted ? hints + 2 * r * b.size() : nullptr;
+    for (int64_t t = 0; ok && t < b.size(); ++t) {
+      if (t + kAhead < b.size()) {
+        __builtin_prefetch(items[t + kAhead]);
+        if (role_hints) {
+          const char* impl = reinterpret_cast<const char*>(role_hints[2 * (t + kAhead)]);
+          const char* storage = reinterpret_cast<const char*>(role_hints[2 * (t + kAhead) + 1]);
+          for (int line = 0; line < 4; ++line) __builtin_prefetch(impl + 64 * line);
+          __builtin_prefetch(storage);
+          __builtin_prefetch(storage + 64);
+        }
+      }
+      PyObject* x = items[t];
+      ok = PyObject_TypeCheck(x, tensor_type) && take(data_ptr(x)) == b.ptr(r, t) &&
+           take(numel(x)) == static_cast<unsigned long long>(b.numel(t)) && is(is_contiguous(x), Py_True) &&
+           is(dtype(x), want_dtype) && is(is_cpu(x), Py_True);
+    }
+  }
+  if (PyErr_Occurred()) PyErr_Clear();
+  return ok;
+}
+
 }  // namespace
 
 PYBIND11_MODULE(_C, m) {
@@ -160,7 +267,9 @@ PYBIND11_MODULE(_C, m) {
   py::class_<TensorBatch>(m, "TensorBatch")
       .def(py::init(&make_batch), py::arg("numels"), py::arg("operands"))
       .def_property_readonly("size", &TensorBatch::size)
-      .def_property_readonly("total", &TensorBatch::total);
+      .def_property_readonly("total", &TensorBatch::total)
+      .def("unchanged", &batch_unchanged, py::arg("lists"), py::arg("dtypes"), py::arg("accessors"),
+           py::arg("hints") = py::bytes());
   m.def("adamw", &adamw);
   m.def("sign_sgd", &sign_sgd);
   m.def("accumulate", &accumulate);

@@ -1,6 +1,7 @@
 # Native kernels: every ISA equals the scalar path bit for bit (sizes, offsets, threads,
 # splits); bf16 outputs equal tensor.to(torch.bfloat16); every invalid input raises a
-# Python exception naming the argument.
+# Python exception naming the argument; the validation cache re-validates changed tensors.
+# (Sequences that used to abort or corrupt the process: test_native_safety.py.)
 import os
 import subprocess
 import sys
@@ -273,6 +274,30 @@ def test_cache_entry_dies_with_its_tensors_and_changed_lists_are_revalidated():
         kernels.adamw_step(**args, lr=1e-3, beta1=0.9, beta2=0.9, eps=1e-8, weight_decay=0.0)
     del args
     assert len(kernels._cache) == 0
+
+
+@pytest.mark.parametrize("change", ["data", "set_", "resize_"])
+def test_cache_hit_follows_tensors_changed_in_place(change, split_everything):
+    g = gen(21)
+    params, grads = [torch.randn(300, generator=g) for _ in range(3)], [torch.randn(300, generator=g) for _ in range(3)]
+    accs = [torch.randn(300, generator=g) for _ in range(3)]
+    kernels.sign_sgd_step(params, grads, lr=0.1, weight_decay=0.0)
+    kernels.accumulate_(accs, grads, add=True)
+    old_p, old_acc = params[1].detach(), accs[2].detach()   # keep the old storages alive
+    old_p_copy, old_acc_copy = old_p.clone(), old_acc.clone()
+    new_p, new_acc = torch.randn(300, generator=g), torch.randn(300, generator=g)
+    if change == "data":
+        params[1].data, accs[2].data = new_p.clone(), new_acc.clone()
+    elif change == "set_":
+        params[1].set_(new_p.clone()), accs[2].set_(new_acc.clone())
+    else:   # resize_ to a new size and back: new memory, same metadata as before
+        params[1].resize_(5000).resize_(300).copy_(new_p), accs[2].resize_(5000).resize_(300).copy_(new_acc)
+    kernels.sign_sgd_step(params, grads, lr=0.1, weight_decay=0.0)
+    kernels.accumulate_(accs, grads, add=True)
+    assert torch.equal(params[1], new_p - 0.1 * torch.sign(grads[1]))
+    assert torch.equal(accs[2], new_acc + grads[2])
+    if change != "resize_":   # (resize_ moved the shared storage itself: no old memory to check)
+        assert torch.equal(old_p, old_p_copy) and torch.equal(old_acc, old_acc_copy)
 
 
 def test_isa_override_env(tmp_path):
