@@ -8,21 +8,22 @@ against the process's affinity mask. Non-goal: autograd, CUDA tensors.
 NOTE: a kernel never writes (or reads) through a stale pointer. Validated tensor lists are
 cached by the identity of their tensor objects, because the full checks (and the overlap
 check) cost more than the kernel for many small tensors; a cached entry is used only after
-native code has checked, on this call, that every tensor still has the data pointer,
-element count, dtype, contiguity and device it was validated with. Those fix exactly the
-bytes a kernel touches, whichever storage now holds them. After ``resize_``, ``set_``,
-``.data = ...`` or an in-place view op, the call validates from scratch: it raises an error
-naming the argument (e.g. a size mismatch) or works on the tensor's new memory. The
-accessors are torch.Tensor's own, called with __torch_function__ off, so a subclass or a
-mode cannot misreport a tensor's memory, and the lists are snapshotted, so their tensors
-live until the kernel returns. Outside the guarantee, as for torch's own ops: changing a
-tensor from another thread while a call on it runs, and a storage shrunk under a live
-tensor (``untyped_storage().resize_``) and reallocated at its old address. The cache holds
-weak references only; ``clear_cache()`` is never needed for correctness.
+native code has checked, on this call, that every tensor still has the data pointer, byte
+count and contiguity it was validated with: those fix the bytes a kernel touches as the
+tensor's own live memory. After ``resize_``, ``set_``, ``.data = ...`` or an in-place view
+op, the call validates from scratch: it raises an error naming the argument (e.g. a size
+mismatch) or works on the tensor's new memory. The one change a hit does not see is a dtype
+changed in place to another of the same byte count (``t.data = t.view(torch.int32)``): the
+kernel then reads the tensor's bytes as the dtype it was validated with. The accessors are
+torch.Tensor's own, called with __torch_function__ off, so a subclass or a mode cannot
+misreport a tensor's memory, and the lists are snapshotted, so their tensors live until the
+kernel returns. Outside the guarantee, as for torch's own ops: changing a tensor from another
+thread while a call on it runs, and a storage shrunk under a live tensor
+(``untyped_storage().resize_``) and reallocated at its old address. The cache holds weak
+references only; ``clear_cache()`` is never needed for correctness.
 """
 from __future__ import annotations
 
-import array
 import contextlib
 import math
 import os
@@ -142,13 +143,12 @@ def get_pinned_cpus() -> Optional[list]:
 _T = torch.Tensor
 _data_ptr, _numel, _is_contiguous = _T.data_ptr, _T.numel, _T.is_contiguous
 _dtype, _is_cpu, _layout = _T.dtype.__get__, _T.is_cpu.__get__, _T.layout.__get__
-_ACCESSORS = (_T.data_ptr, _T.numel, _T.is_contiguous, _T.dtype, _T.is_cpu)  # for TensorBatch.unchanged
+_ACCESSORS = (_T.data_ptr, torch._C.TensorBase.nbytes, _T.is_contiguous)  # for TensorBatch.unchanged
 _TRUE_MEMORY = torch._C.DisableTorchFunction
-_HINTS = hasattr(_T, "_cdata") and hasattr(torch.UntypedStorage, "_cdata")
 
 
 def _memory_of(label, t, numel, itemsize):
-    """(data_ptr, storage) of a dense CPU tensor, checked to lie inside its storage."""
+    """The data pointer of a dense CPU tensor, checked to lie inside its storage."""
     try:
         ptr = _data_ptr(t)
         storage = _T.untyped_storage(t)
@@ -158,21 +158,17 @@ def _memory_of(label, t, numel, itemsize):
     if numel and not begin <= ptr <= ptr + numel * itemsize <= begin + nbytes:
         raise ValueError(f"{label} does not fit in its storage ({nbytes} bytes); "
                          "was its storage resized under it?")
-    return ptr, storage
+    return ptr
 
 
 def _check_list(name, tensors, count, dtypes, numels=None):
-    """Validates one list; returns (its dtype, its data pointers, its prefetch hints).
-
-    The hints are the addresses of each tensor's and storage's internals, which
-    TensorBatch.unchanged() prefetches (never reads: a wrong one only costs time).
-    """
+    """Validates one list; returns (its dtype, its data pointers)."""
     if not isinstance(tensors, (list, tuple)):
         raise TypeError(f"{name} must be a list or tuple of tensors, got {type(tensors).__name__}")
     if count is not None and len(tensors) != count:
         raise ValueError(f"{name} has {len(tensors)} tensors, expected {count} (one per params entry)")
     dtype = None
-    ptrs, hints = [], []
+    ptrs = []
     for i, t in enumerate(tensors):
         if not isinstance(t, torch.Tensor):
             raise TypeError(f"{name}[{i}] must be a torch.Tensor, got {type(t).__name__}")
@@ -190,15 +186,12 @@ def _check_list(name, tensors, count, dtypes, numels=None):
         n = _numel(t)
         if numels is not None and n != numels[i]:
             raise ValueError(f"{name}[{i}] has {n} elements but params[{i}] has {numels[i]}")
-        ptr, storage = _memory_of(f"{name}[{i}]", t, n, d.itemsize)
-        ptrs.append(ptr)
-        if _HINTS:
-            hints += (t._cdata, storage._cdata)
-    return dtype, ptrs, hints
+        ptrs.append(_memory_of(f"{name}[{i}]", t, n, d.itemsize))
+    return dtype, ptrs
 
 
 class _Entry:
-    __slots__ = ("batch", "codes", "dtypes", "hints", "refs")
+    __slots__ = ("batch", "codes", "refs")
 
 
 _cache: "OrderedDict[tuple, _Entry]" = OrderedDict()
@@ -239,27 +232,24 @@ def _prepared(kind: str, named_lists, dtypes_by_name):
     key = (kind, tuple(n for n, _ in present), _C.identity_key(lists))
     with _cache_lock:
         entry = _cache.get(key)
-    if entry is not None and entry.batch.unchanged(lists, entry.dtypes, _ACCESSORS, entry.hints):
+    if entry is not None and entry.batch.unchanged(lists, _ACCESSORS):
         with _cache_lock:
             if key in _cache:
                 _cache.move_to_end(key)
         return entry, lists
 
     params_name, params = present[0]
-    dtype, ptrs, hints = _check_list(params_name, params, None, dtypes_by_name[params_name])
+    dtype, ptrs = _check_list(params_name, params, None, dtypes_by_name[params_name])
     codes, all_ptrs = {params_name: dtype}, [ptrs]
     numels = [_numel(t) for t in params]
     for name, tensors in present[1:]:
-        codes[name], ptrs, more_hints = _check_list(name, tensors, len(params), dtypes_by_name[name], numels)
+        codes[name], ptrs = _check_list(name, tensors, len(params), dtypes_by_name[name], numels)
         all_ptrs.append(ptrs)
-        hints += more_hints
     operands = [(name, ptrs, _T.element_size(tensors[0]) if tensors else 4)
                 for (name, tensors), ptrs in zip(present, all_ptrs)]
     entry = _Entry()
     entry.batch = _C.TensorBatch(numels, operands)  # raises ValueError on overlap
     entry.codes = codes
-    entry.dtypes = tuple(codes[name] or torch.float32 for name, _ in present)
-    entry.hints = array.array("Q", hints).tobytes()
     callback = _forget(key)
     unique = {id(t): t for l in lists for t in l}.values()
     entry.refs = [weakref.ref(t, callback) for t in unique]
@@ -297,7 +287,7 @@ def _steps_ptr(steps, count):
             f"steps must be a contiguous 1-D int64 CPU tensor, got {steps.dtype} {steps.device} shape {tuple(steps.shape)}")
     if _numel(steps) != count:
         raise ValueError(f"steps has {_numel(steps)} entries, expected {count} (one per params entry)")
-    return _memory_of("steps", steps, count, 8)[0] if count else 0
+    return _memory_of("steps", steps, count, 8) if count else 0
 
 
 _FP32 = (torch.float32,)
@@ -374,7 +364,7 @@ def accumulate_(accumulators, grads, add: bool) -> None:
 def scale_stream_(buffer: torch.Tensor, factor: float) -> None:
     """Bandwidth probe: ``buffer <- buffer * factor`` (one read, one write per element)."""
     with _TRUE_MEMORY():
-        _, (ptr,), _ = _check_list("buffer", [buffer], 1, _FP32)
+        _, (ptr,) = _check_list("buffer", [buffer], 1, _FP32)
         n = _numel(buffer)
     _C.scale_stream(ptr, n, float(factor))
 

@@ -196,29 +196,20 @@ class Accessor {
   PyMethodDef* method_ = nullptr;
 };
 
-// True when every tensor of `lists` (one tuple per role, in the batch's order) still has
-// exactly the memory the batch was built from: the same data pointer, element count and
-// dtype (`dtypes`, one per role), contiguous, on the CPU. `accessors` is (data_ptr, numel,
-// is_contiguous, dtype, is_cpu) of torch.Tensor. Any mismatch or error answers False (the
-// caller then validates from scratch and names what is wrong).
-// `hints`: optional packed uintptr_t pairs, per role and tensor, of addresses of the
-// tensor's internals (torch's own `_cdata` of the tensor and of its storage).
-// NOTE: hints are only ever prefetched, never read: a stale or wrong address costs time,
-// nothing else. They let the memory latency of the next tensors' metadata overlap with the
-// accessor calls of this one; the kernel has just streamed it out of the caches.
-bool batch_unchanged(const TensorBatch& b, const py::tuple& lists, const py::tuple& dtypes,
-                     const py::tuple& accessors, const py::bytes& hints_bytes) {
-  if (accessors.size() != 5) throw std::invalid_argument("unchanged: expected 5 accessors");
-  const Accessor data_ptr(accessors[0]), numel(accessors[1]), is_contiguous(accessors[2]), dtype(accessors[3]),
-      is_cpu(accessors[4]);
+// True when every tensor of `lists` (one tuple per role, in the batch's order) still covers
+// exactly the bytes the batch was built from: the same data pointer, the same byte count,
+// contiguous. `accessors` is (data_ptr, nbytes, is_contiguous) of torch.Tensor. Any
+// mismatch or error answers False (the caller then validates from scratch and names what is
+// wrong). NOTE: those three fix the memory a kernel touches, [ptr, ptr + nbytes), as the
+// tensor's own live memory, so a hit can never write through a stale pointer; a tensor whose
+// dtype was changed in place to another of the same byte count is read in the old one.
+bool batch_unchanged(const TensorBatch& b, const py::tuple& lists, const py::tuple& accessors) {
+  if (accessors.size() != 3) throw std::invalid_argument("unchanged: expected 3 accessors");
+  const Accessor data_ptr(accessors[0]), nbytes(accessors[1]), is_contiguous(accessors[2]);
   PyTypeObject* tensor_type = data_ptr.type();
-  for (const Accessor* a : {&numel, &is_contiguous, &dtype, &is_cpu})
+  for (const Accessor* a : {&nbytes, &is_contiguous})
     if (a->type() != tensor_type) throw std::invalid_argument("unchanged: accessors of different types");
-  if (static_cast<int>(lists.size()) != b.roles() || dtypes.size() != lists.size()) return false;
-  const std::string_view hints_view = hints_bytes;
-  const auto* hints = reinterpret_cast<const uintptr_t*>(hints_view.data());
-  const bool hinted = hints_view.size() == 2 * sizeof(uintptr_t) * b.roles() * b.size();
-  constexpr int64_t kAhead = 8;  // tensors prefetched ahead
+  if (static_cast<int>(lists.size()) != b.roles()) return false;
 
   auto take = [](PyObject* r) {  // consumes r; the value of a Python int, or ~0 on error
     if (!r) return ~0ULL;
@@ -226,34 +217,20 @@ bool batch_unchanged(const TensorBatch& b, const py::tuple& lists, const py::tup
     Py_DECREF(r);
     return v;
   };
-  auto is = [](PyObject* r, PyObject* want) {  // consumes r
-    const bool same = r == want;
-    Py_XDECREF(r);
-    return same;
-  };
   bool ok = true;
   for (int r = 0; ok && r < b.roles(); ++r) {
     // NOTE: tuples only: nothing can change them (or free their tensors) during the check.
     PyObject* lst = lists[r].ptr();
-    PyObject* want_dtype = dtypes[r].ptr();
     if (!PyTuple_Check(lst) || PyTuple_GET_SIZE(lst) != b.size()) return false;
     PyObject* const* items = &PyTuple_GET_ITEM(lst, 0);
-    const auto* role_hints = hinted ? hints + 2 * r * b.size() : nullptr;
+    const unsigned long long width = static_cast<unsigned long long>(b.elem_size(r));
     for (int64_t t = 0; ok && t < b.size(); ++t) {
-      if (t + kAhead < b.size()) {
-        __builtin_prefetch(items[t + kAhead]);
-        if (role_hints) {
-          const char* impl = reinterpret_cast<const char*>(role_hints[2 * (t + kAhead)]);
-          const char* storage = reinterpret_cast<const char*>(role_hints[2 * (t + kAhead) + 1]);
-          for (int line = 0; line < 4; ++line) __builtin_prefetch(impl + 64 * line);
-          __builtin_prefetch(storage);
-          __builtin_prefetch(storage + 64);
-        }
-      }
       PyObject* x = items[t];
+      PyObject* contiguous = nullptr;
       ok = PyObject_TypeCheck(x, tensor_type) && take(data_ptr(x)) == b.ptr(r, t) &&
-           take(numel(x)) == static_cast<unsigned long long>(b.numel(t)) && is(is_contiguous(x), Py_True) &&
-           is(dtype(x), want_dtype) && is(is_cpu(x), Py_True);
+           take(nbytes(x)) == static_cast<unsigned long long>(b.numel(t)) * width &&
+           (contiguous = is_contiguous(x)) == Py_True;
+      Py_XDECREF(contiguous);
     }
   }
   if (PyErr_Occurred()) PyErr_Clear();
@@ -268,8 +245,7 @@ PYBIND11_MODULE(_C, m) {
       .def(py::init(&make_batch), py::arg("numels"), py::arg("operands"))
       .def_property_readonly("size", &TensorBatch::size)
       .def_property_readonly("total", &TensorBatch::total)
-      .def("unchanged", &batch_unchanged, py::arg("lists"), py::arg("dtypes"), py::arg("accessors"),
-           py::arg("hints") = py::bytes());
+      .def("unchanged", &batch_unchanged, py::arg("lists"), py::arg("accessors"));
   m.def("adamw", &adamw);
   m.def("sign_sgd", &sign_sgd);
   m.def("accumulate", &accumulate);
