@@ -2,14 +2,25 @@
 
 Scope: check every tensor argument (type, device, dtype, contiguity, sizes, overlap) and
 raise a TypeError/ValueError that names the argument and index, then hand raw pointers to
-the native code, which releases the GIL while it works. Non-goal: autograd, CUDA tensors.
+the native code, which releases the GIL while it works; check thread counts and CPU ids
+against the process's affinity mask. Non-goal: autograd, CUDA tensors.
 
-NOTE: a validated tensor list is cached by the identity of its tensor objects, so calling
-again with the same tensor objects skips the per-tensor checks (they cost more than the
-kernel for many small tensors). The cache holds weak references and drops an entry as soon
-as any of its tensors is freed. It cannot see a tensor whose storage is swapped in place
-(``t.data = ...``, ``t.set_(...)``, ``t.resize_(...)``): after doing that to a tensor you
-passed here, call ``clear_cache()``.
+NOTE: a kernel never writes (or reads) through a stale pointer. Validated tensor lists are
+cached by the identity of their tensor objects, because the full checks (and the overlap
+check) cost more than the kernel for many small tensors; a cached entry is used only after
+native code has checked, on this call, that every tensor still has the data pointer, byte
+count and contiguity it was validated with: those fix the bytes a kernel touches as the
+tensor's own live memory. After ``resize_``, ``set_``, ``.data = ...`` or an in-place view
+op, the call validates from scratch: it raises an error naming the argument (e.g. a size
+mismatch) or works on the tensor's new memory. The one change a hit does not see is a dtype
+changed in place to another of the same byte count (``t.data = t.view(torch.int32)``): the
+kernel then reads the tensor's bytes as the dtype it was validated with. The accessors are
+torch.Tensor's own, called with __torch_function__ off, so a subclass or a mode cannot
+misreport a tensor's memory, and the lists are snapshotted, so their tensors live until the
+kernel returns. Outside the guarantee, as for torch's own ops: changing a tensor from another
+thread while a call on it runs, and a storage shrunk under a live tensor
+(``untyped_storage().resize_``) and reallocated at its old address. The cache holds weak
+references only; ``clear_cache()`` is never needed for correctness.
 """
 from __future__ import annotations
 
@@ -24,6 +35,7 @@ from typing import Iterator, Optional, Sequence
 import torch
 
 from cpu_offload import _C
+from cpu_offload.topology import format_cpulist
 
 __all__ = [
     "adamw_step",
@@ -78,10 +90,23 @@ def use_isa(name: str) -> Iterator[None]:
         _C.set_isa(previous)
 
 
+def _allowed_cpus() -> set:
+    """The CPUs this process (its calling thread) may run on."""
+    return os.sched_getaffinity(0)
+
+
 def set_num_threads(n: int) -> None:
-    """Sets the number of native worker threads (default: CPUs in the affinity mask)."""
+    """Sets the number of native worker threads (default: CPUs in the affinity mask).
+
+    Raises ValueError unless ``1 <= n <=`` the number of CPUs in the affinity mask: the
+    kernels are memory-bound, and more threads than CPUs only adds contention.
+    """
     if isinstance(n, bool) or not isinstance(n, int) or n < 1:
         raise ValueError(f"n must be a positive int, got {n!r}")
+    allowed = _allowed_cpus()
+    if n > len(allowed):
+        raise ValueError(f"n={n} is more than the {len(allowed)} CPUs this process may use "
+                         f"(affinity mask {format_cpulist(allowed)})")
     _C.set_num_threads(n)
 
 
@@ -90,12 +115,20 @@ def get_num_threads() -> int:
 
 
 def pin_threads(cpus: Optional[Sequence[int]]) -> None:
-    """Pins native worker k to ``cpus[k % len(cpus)]``; ``None`` or ``[]`` unpins."""
+    """Pins native worker k to ``cpus[k % len(cpus)]``; ``None`` or ``[]`` unpins.
+
+    Raises ValueError, before anything changes, for an id that is not an int or not in
+    the process's affinity mask (``os.sched_getaffinity(0)``).
+    """
     cpus = [] if cpus is None else list(cpus)
+    allowed = _allowed_cpus()
     for i, c in enumerate(cpus):
         if isinstance(c, bool) or not isinstance(c, int) or c < 0:
             raise ValueError(f"cpus[{i}] must be a non-negative int, got {c!r}")
-    _C.pin_threads(cpus)
+        if c not in allowed:
+            raise ValueError(f"cpus[{i}]={c} is not a CPU this process may use "
+                             f"(affinity mask {format_cpulist(allowed)})")
+    _C.pin_threads(cpus)  # NOTE: validates again: the mask may have changed meanwhile
 
 
 def get_pinned_cpus() -> Optional[list]:
@@ -105,28 +138,56 @@ def get_pinned_cpus() -> Optional[list]:
 
 # ---------------------------------------------------------------- validation + cache
 
+# NOTE: torch.Tensor's own accessors, called with __torch_function__ off (_TRUE_MEMORY):
+# a subclass or mode cannot make the kernels see memory other than the tensor's.
+_T = torch.Tensor
+_data_ptr, _numel, _is_contiguous = _T.data_ptr, _T.numel, _T.is_contiguous
+_dtype, _is_cpu, _layout = _T.dtype.__get__, _T.is_cpu.__get__, _T.layout.__get__
+_ACCESSORS = (_T.data_ptr, torch._C.TensorBase.nbytes, _T.is_contiguous)  # for TensorBatch.unchanged
+_TRUE_MEMORY = torch._C.DisableTorchFunction
+
+
+def _memory_of(label, t, numel, itemsize):
+    """The data pointer of a dense CPU tensor, checked to lie inside its storage."""
+    try:
+        ptr = _data_ptr(t)
+        storage = _T.untyped_storage(t)
+        begin, nbytes = storage.data_ptr(), storage.nbytes()
+    except RuntimeError as e:  # wrapper subclasses (DTensor, FakeTensor) have no storage of their own
+        raise ValueError(f"{label} has no memory of its own to update ({e}); pass a plain CPU tensor") from None
+    if numel and not begin <= ptr <= ptr + numel * itemsize <= begin + nbytes:
+        raise ValueError(f"{label} does not fit in its storage ({nbytes} bytes); "
+                         "was its storage resized under it?")
+    return ptr
+
+
 def _check_list(name, tensors, count, dtypes, numels=None):
+    """Validates one list; returns (its dtype, its data pointers)."""
     if not isinstance(tensors, (list, tuple)):
         raise TypeError(f"{name} must be a list or tuple of tensors, got {type(tensors).__name__}")
     if count is not None and len(tensors) != count:
         raise ValueError(f"{name} has {len(tensors)} tensors, expected {count} (one per params entry)")
     dtype = None
+    ptrs = []
     for i, t in enumerate(tensors):
         if not isinstance(t, torch.Tensor):
             raise TypeError(f"{name}[{i}] must be a torch.Tensor, got {type(t).__name__}")
-        if t.device.type != "cpu" or t.layout != torch.strided:
-            raise ValueError(f"{name}[{i}] is a {t.device.type} {t.layout} tensor; the kernels need dense CPU tensors")
-        if t.dtype not in dtypes:
-            allowed = " or ".join(str(d) for d in dtypes)
-            raise TypeError(f"{name}[{i}] has dtype {t.dtype}, expected {allowed}")
-        if dtype is not None and t.dtype != dtype:
-            raise TypeError(f"{name}[{i}] has dtype {t.dtype} but {name}[0] has {dtype}; one dtype per list")
-        dtype = t.dtype
-        if not t.is_contiguous():
+        if not _is_cpu(t) or _layout(t) != torch.strided:
+            raise ValueError(f"{name}[{i}] is a {t.device.type} {_layout(t)} tensor; the kernels need dense CPU tensors")
+        d = _dtype(t)
+        if d not in dtypes:
+            allowed = " or ".join(str(x) for x in dtypes)
+            raise TypeError(f"{name}[{i}] has dtype {d}, expected {allowed}")
+        if dtype is not None and d != dtype:
+            raise TypeError(f"{name}[{i}] has dtype {d} but {name}[0] has {dtype}; one dtype per list")
+        dtype = d
+        if not _is_contiguous(t):
             raise ValueError(f"{name}[{i}] is not contiguous")
-        if numels is not None and t.numel() != numels[i]:
-            raise ValueError(f"{name}[{i}] has {t.numel()} elements but params[{i}] has {numels[i]}")
-    return dtype
+        n = _numel(t)
+        if numels is not None and n != numels[i]:
+            raise ValueError(f"{name}[{i}] has {n} elements but params[{i}] has {numels[i]}")
+        ptrs.append(_memory_of(f"{name}[{i}]", t, n, d.itemsize))
+    return dtype, ptrs
 
 
 class _Entry:
@@ -138,7 +199,8 @@ _cache_lock = threading.RLock()
 
 
 def clear_cache() -> None:
-    """Forgets every validated tensor list (see the module note)."""
+    """Forgets every validated tensor list. Never needed for correctness (see the module
+    note); it only frees the cache's memory."""
     with _cache_lock:
         _cache.clear()
 
@@ -150,40 +212,52 @@ def _forget(key):
     return callback
 
 
-def _prepared(kind: str, named_lists, dtypes_by_name) -> _Entry:
-    """Returns the validated native batch for these lists, from the cache when possible.
+def _prepared(kind: str, named_lists, dtypes_by_name):
+    """Returns (the validated native batch, the lists as tuples), from the cache when valid.
 
     named_lists: [(name, list-or-None)], params first; dtypes_by_name: allowed dtypes.
+    Call it with _TRUE_MEMORY entered, right before the kernel, and keep the returned
+    tuples until the kernel returns.
     """
-    present = [(n, l) for n, l in named_lists if l is not None]
-    for name, tensors in present:
+    present = []
+    for name, tensors in named_lists:
+        if tensors is None:
+            continue
         if not isinstance(tensors, (list, tuple)):
             raise TypeError(f"{name} must be a list or tuple of tensors, got {type(tensors).__name__}")
-    key = (kind, tuple(n for n, _ in present), _C.identity_key(tuple(l for _, l in present)))
+        # NOTE: a tuple snapshot: the tensors stay alive while the kernel runs without the
+        # GIL, whatever another thread does to the caller's list meanwhile.
+        present.append((name, tensors if type(tensors) is tuple else tuple(tensors)))
+    lists = tuple(l for _, l in present)
+    key = (kind, tuple(n for n, _ in present), _C.identity_key(lists))
     with _cache_lock:
         entry = _cache.get(key)
-        if entry is not None:
-            _cache.move_to_end(key)
-            return entry
+    if entry is not None and entry.batch.unchanged(lists, _ACCESSORS):
+        with _cache_lock:
+            if key in _cache:
+                _cache.move_to_end(key)
+        return entry, lists
 
     params_name, params = present[0]
-    codes = {params_name: _check_list(params_name, params, None, dtypes_by_name[params_name])}
-    numels = [t.numel() for t in params]
+    dtype, ptrs = _check_list(params_name, params, None, dtypes_by_name[params_name])
+    codes, all_ptrs = {params_name: dtype}, [ptrs]
+    numels = [_numel(t) for t in params]
     for name, tensors in present[1:]:
-        codes[name] = _check_list(name, tensors, len(params), dtypes_by_name[name], numels)
-    operands = [(name, [t.data_ptr() for t in tensors], tensors[0].element_size() if tensors else 4)
-                for name, tensors in present]
+        codes[name], ptrs = _check_list(name, tensors, len(params), dtypes_by_name[name], numels)
+        all_ptrs.append(ptrs)
+    operands = [(name, ptrs, _T.element_size(tensors[0]) if tensors else 4)
+                for (name, tensors), ptrs in zip(present, all_ptrs)]
     entry = _Entry()
     entry.batch = _C.TensorBatch(numels, operands)  # raises ValueError on overlap
     entry.codes = codes
     callback = _forget(key)
-    unique = {id(t): t for _, l in present for t in l}.values()
+    unique = {id(t): t for l in lists for t in l}.values()
     entry.refs = [weakref.ref(t, callback) for t in unique]
     with _cache_lock:
         _cache[key] = entry
         while len(_cache) > _CACHE_SIZE:
             _cache.popitem(last=False)
-    return entry
+    return entry, lists
 
 
 def _check_scalar(name, value, *, low=None, high=None, high_open=False):
@@ -203,14 +277,17 @@ def _check_scalar(name, value, *, low=None, high=None, high_open=False):
     return value
 
 
-def _check_steps(steps, count):
+def _steps_ptr(steps, count):
+    """data_ptr of a valid steps tensor with `count` entries (call with _TRUE_MEMORY entered)."""
     if not isinstance(steps, torch.Tensor):
         raise TypeError(f"steps must be a torch.Tensor of int64 step counts, got {type(steps).__name__}")
-    if steps.dtype != torch.int64 or steps.device.type != "cpu" or steps.dim() != 1 or not steps.is_contiguous():
+    if (_dtype(steps) != torch.int64 or not _is_cpu(steps) or _layout(steps) != torch.strided
+            or _T.dim(steps) != 1 or not _is_contiguous(steps)):
         raise ValueError(
             f"steps must be a contiguous 1-D int64 CPU tensor, got {steps.dtype} {steps.device} shape {tuple(steps.shape)}")
-    if steps.numel() != count:
-        raise ValueError(f"steps has {steps.numel()} entries, expected {count} (one per params entry)")
+    if _numel(steps) != count:
+        raise ValueError(f"steps has {_numel(steps)} entries, expected {count} (one per params entry)")
+    return _memory_of("steps", steps, count, 8) if count else 0
 
 
 _FP32 = (torch.float32,)
@@ -239,13 +316,14 @@ def adamw_step(params, grads, exp_avgs, exp_avg_sqs, steps, *, lr, beta1, beta2,
     eps = _check_scalar("eps", eps, low=0.0)
     weight_decay = _check_scalar("weight_decay", weight_decay, low=0.0)
     grad_scale = _check_scalar("grad_scale", grad_scale)
-    entry = _prepared("adamw", [("params", params), ("grads", grads), ("exp_avgs", exp_avgs),
-                                ("exp_avg_sqs", exp_avg_sqs), ("compute_params", compute_params)],
-                      {"params": _FP32, "grads": _GRADS, "exp_avgs": _FP32, "exp_avg_sqs": _FP32,
-                       "compute_params": _GRADS})
-    _check_steps(steps, len(params))
+    with _TRUE_MEMORY():
+        entry, _alive = _prepared(
+            "adamw", [("params", params), ("grads", grads), ("exp_avgs", exp_avgs), ("exp_avg_sqs", exp_avg_sqs),
+                      ("compute_params", compute_params)],
+            {"params": _FP32, "grads": _GRADS, "exp_avgs": _FP32, "exp_avg_sqs": _FP32, "compute_params": _GRADS})
+        steps_ptr = _steps_ptr(steps, entry.batch.size)
     _C.adamw(entry.batch, _DTYPE_CODE.get(entry.codes["grads"], 0),
-             _OUT_KIND[entry.codes.get("compute_params")], steps.data_ptr(),
+             _OUT_KIND[entry.codes.get("compute_params")], steps_ptr,
              lr, beta1, beta2, eps, weight_decay, grad_scale)
 
 
@@ -260,8 +338,9 @@ def sign_sgd_step(params, grads, *, lr, weight_decay, compute_params=None) -> No
     """
     lr = _check_scalar("lr", lr, low=0.0)
     weight_decay = _check_scalar("weight_decay", weight_decay, low=0.0)
-    entry = _prepared("sign_sgd", [("params", params), ("grads", grads), ("compute_params", compute_params)],
-                      {"params": _FP32, "grads": _GRADS, "compute_params": _GRADS})
+    with _TRUE_MEMORY():
+        entry, _alive = _prepared("sign_sgd", [("params", params), ("grads", grads), ("compute_params", compute_params)],
+                                  {"params": _FP32, "grads": _GRADS, "compute_params": _GRADS})
     _C.sign_sgd(entry.batch, _DTYPE_CODE.get(entry.codes["grads"], 0),
                 _OUT_KIND[entry.codes.get("compute_params")], lr, weight_decay)
 
@@ -276,15 +355,18 @@ def accumulate_(accumulators, grads, add: bool) -> None:
     """
     if not isinstance(add, bool):
         raise TypeError(f"add must be a bool, got {type(add).__name__}")
-    entry = _prepared("accumulate", [("accumulators", accumulators), ("grads", grads)],
-                      {"accumulators": _FP32, "grads": _GRADS})
+    with _TRUE_MEMORY():
+        entry, _alive = _prepared("accumulate", [("accumulators", accumulators), ("grads", grads)],
+                                  {"accumulators": _FP32, "grads": _GRADS})
     _C.accumulate(entry.batch, _DTYPE_CODE.get(entry.codes["grads"], 0), add)
 
 
 def scale_stream_(buffer: torch.Tensor, factor: float) -> None:
     """Bandwidth probe: ``buffer <- buffer * factor`` (one read, one write per element)."""
-    _check_list("buffer", [buffer], 1, _FP32)
-    _C.scale_stream(buffer.data_ptr(), buffer.numel(), float(factor))
+    with _TRUE_MEMORY():
+        _, (ptr,) = _check_list("buffer", [buffer], 1, _FP32)
+        n = _numel(buffer)
+    _C.scale_stream(ptr, n, float(factor))
 
 
 _apply_isa_override()

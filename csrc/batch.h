@@ -29,6 +29,8 @@ class TensorBatch {
   int64_t numel(int64_t t) const { return numels_[t]; }
   uintptr_t ptr(int role, int64_t t) const { return operands_[role].ptrs[t]; }
   int roles() const { return static_cast<int>(operands_.size()); }
+  int elem_size(int role) const { return operands_[role].elem_size; }
+  const std::string& role_name(int role) const { return operands_[role].role; }
 
   // Calls fn(tensor, begin, end) for disjoint element ranges covering every tensor,
   // spread over up to pool_num_threads() workers.

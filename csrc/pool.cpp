@@ -2,10 +2,15 @@
 // each worker runs its own task index and the caller waits for a countdown to reach zero.
 // NOTE: after fork() the child has none of the parent's threads; the atfork handler drops
 // the (now thread-less) pool so the child lazily builds a fresh one.
+// NOTE: nothing here may reach std::terminate: a Pool whose construction fails stops and
+// joins the threads it started before rethrowing, and g_cpus only ever holds ids that
+// were validated against the affinity mask and accepted by the OS.
 #include "pool.h"
 #include <pthread.h>
 #include <sched.h>
+#include <cerrno>
 #include <condition_variable>
+#include <cstring>
 #include <exception>
 #include <mutex>
 #include <stdexcept>
@@ -35,26 +40,59 @@ int affinity_cpu_count() {
   return n > 0 ? n : 1;
 }
 
+// "0-3,8" for the calling thread's affinity mask (for error messages).
+std::string allowed_cpu_list() {
+  cpu_set_t set;
+  if (sched_getaffinity(0, sizeof(set), &set) != 0) return "unknown";
+  std::string out;
+  for (int c = 0; c < CPU_SETSIZE; ++c) {
+    if (!CPU_ISSET(c, &set) || (c > 0 && CPU_ISSET(c - 1, &set))) continue;
+    int last = c;
+    while (last + 1 < CPU_SETSIZE && CPU_ISSET(last + 1, &set)) ++last;
+    out += (out.empty() ? "" : ",") + std::to_string(c) + (last > c ? "-" + std::to_string(last) : "");
+  }
+  return out;
+}
+
+// Throws std::invalid_argument naming the first id outside the calling thread's affinity mask.
+void check_cpus(const std::vector<int>& cpus) {
+  cpu_set_t allowed;
+  if (sched_getaffinity(0, sizeof(allowed), &allowed) != 0) CPU_ZERO(&allowed);
+  for (size_t i = 0; i < cpus.size(); ++i) {
+    const int c = cpus[i];
+    if (c < 0 || c >= CPU_SETSIZE || !CPU_ISSET(c, &allowed))
+      throw std::invalid_argument("cpus[" + std::to_string(i) + "]=" + std::to_string(c) +
+                                  " is not in this process's affinity mask (allowed CPUs: " +
+                                  allowed_cpu_list() + ")");
+  }
+}
+
+// The OS refused a worker's CPU mask (pthread_setaffinity_np failed).
+struct PinError : std::runtime_error {
+  using std::runtime_error::runtime_error;
+};
+
 class Pool {
  public:
-  Pool(int n, std::vector<int> cpus) : cpus_(std::move(cpus)) {
-    for (int k = 0; k < n; ++k) threads_.emplace_back([this, k] { worker(k); });
-    apply_pinning();
-  }
-  ~Pool() {
-    {
-      std::lock_guard<std::mutex> lock(mu_);
-      stop_ = true;
+  Pool(int n, const std::vector<int>& cpus) {
+    try {
+      threads_.reserve(n);
+      for (int k = 0; k < n; ++k) threads_.emplace_back([this, k] { worker(k); });
+      set_affinity(cpus);
+    } catch (...) {
+      shutdown();  // NOTE: a joinable std::thread destroyed by the unwinding would terminate
+      throw;
     }
-    wake_.notify_all();
-    for (auto& t : threads_) t.join();
+    cpus_ = cpus;
   }
+  ~Pool() { shutdown(); }
   int size() const { return static_cast<int>(threads_.size()); }
   const std::vector<int>& cpus() const { return cpus_; }
 
-  void pin(std::vector<int> cpus) {
-    cpus_ = std::move(cpus);
-    apply_pinning();
+  // Strong guarantee: on failure the workers keep their previous pinning.
+  void pin(const std::vector<int>& cpus) {
+    set_affinity(cpus);
+    cpus_ = cpus;
   }
 
   void run(int tasks, const std::function<void(int)>& task) {
@@ -71,19 +109,43 @@ class Pool {
   }
 
  private:
-  void apply_pinning() {
+  void shutdown() {
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      stop_ = true;
+    }
+    wake_.notify_all();
+    for (auto& t : threads_)
+      if (t.joinable()) t.join();
+  }
+
+  // The mask worker k gets for `cpus`; an empty list means the calling thread's mask.
+  static cpu_set_t mask_for(const std::vector<int>& cpus, int k) {
+    cpu_set_t set;
+    CPU_ZERO(&set);
+    if (cpus.empty()) {
+      if (sched_getaffinity(0, sizeof(set), &set) != 0) CPU_ZERO(&set);
+    } else {
+      CPU_SET(cpus[k % cpus.size()], &set);  // ids checked by check_cpus(): < CPU_SETSIZE
+    }
+    return set;
+  }
+
+  // Applies `cpus` to every worker; if the OS refuses one, restores the workers already
+  // changed to their previous masks (best effort) and throws.
+  void set_affinity(const std::vector<int>& cpus) {
     for (int k = 0; k < size(); ++k) {
-      cpu_set_t set;
-      CPU_ZERO(&set);
-      if (cpus_.empty()) {
-        sched_getaffinity(0, sizeof(set), &set);
-      } else {
-        CPU_SET(cpus_[k % cpus_.size()], &set);
+      cpu_set_t set = mask_for(cpus, k);
+      const int rc = CPU_COUNT(&set) == 0 ? EINVAL
+                                          : pthread_setaffinity_np(threads_[k].native_handle(), sizeof(set), &set);
+      if (rc == 0) continue;
+      for (int j = 0; j < k; ++j) {
+        cpu_set_t old = mask_for(cpus_, j);
+        if (CPU_COUNT(&old) > 0) pthread_setaffinity_np(threads_[j].native_handle(), sizeof(old), &old);
       }
-      int rc = pthread_setaffinity_np(threads_[k].native_handle(), sizeof(set), &set);
-      if (rc != 0 && !cpus_.empty())
-        throw std::runtime_error("cannot pin worker thread to CPU " +
-                                 std::to_string(cpus_[k % cpus_.size()]));
+      if (cpus.empty()) throw PinError("cannot unpin worker thread: " + std::string(std::strerror(rc)));
+      throw PinError("cannot pin worker thread to CPU " + std::to_string(cpus[k % cpus.size()]) + ": " +
+                     std::strerror(rc) + " (allowed CPUs: " + allowed_cpu_list() + ")");
     }
   }
 
@@ -143,7 +205,19 @@ void forget_pool_after_fork() {
 Pool& pool_locked() {
   static bool atfork_registered = (pthread_atfork(nullptr, nullptr, &forget_pool_after_fork), true);
   (void)atfork_registered;
-  if (!g_pool) g_pool = new Pool(g_requested_threads > 0 ? g_requested_threads : affinity_cpu_count(), g_cpus);
+  if (!g_pool) {
+    const int n = g_requested_threads > 0 ? g_requested_threads : affinity_cpu_count();
+    try {
+      g_pool = new Pool(n, g_cpus);
+    } catch (const PinError& e) {
+      // NOTE: the pinned CPUs were valid when pin_threads() took them but the OS refuses
+      // them now (the affinity mask or cpuset shrank): drop them rather than keep ids that
+      // would fail every later call.
+      if (g_cpus.empty()) throw;
+      g_cpus.clear();
+      throw std::runtime_error(std::string(e.what()) + "; the worker pinning was dropped, call pin_threads() again");
+    }
+  }
   return *g_pool;
 }
 
@@ -156,7 +230,9 @@ int pool_num_threads() {
 }
 
 void pool_set_num_threads(int n) {
-  if (n < 1) throw std::invalid_argument("num_threads must be >= 1, got " + std::to_string(n));
+  if (n < 1 || n > kMaxPoolThreads)
+    throw std::invalid_argument("num_threads must be in [1, " + std::to_string(kMaxPoolThreads) + "], got " +
+                                std::to_string(n));
   std::lock_guard<std::mutex> lock(pool_mutex());
   g_requested_threads = n;
   if (g_pool && g_pool->size() != n) {
@@ -166,11 +242,10 @@ void pool_set_num_threads(int n) {
 }
 
 void pool_pin(const std::vector<int>& cpus) {
-  for (int c : cpus)
-    if (c < 0 || c >= CPU_SETSIZE) throw std::invalid_argument("cpus: invalid CPU id " + std::to_string(c));
+  check_cpus(cpus);
   std::lock_guard<std::mutex> lock(pool_mutex());
+  if (g_pool) g_pool->pin(cpus);  // throws with the old pinning still in place
   g_cpus = cpus;
-  if (g_pool) g_pool->pin(cpus);
 }
 
 std::vector<int> pool_pinned_cpus() {

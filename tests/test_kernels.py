@@ -1,6 +1,7 @@
 # Native kernels: every ISA equals the scalar path bit for bit (sizes, offsets, threads,
 # splits); bf16 outputs equal tensor.to(torch.bfloat16); every invalid input raises a
-# Python exception naming the argument.
+# Python exception naming the argument; the validation cache re-validates changed tensors.
+# (Sequences that used to abort or corrupt the process: test_native_safety.py.)
 import os
 import subprocess
 import sys
@@ -39,8 +40,14 @@ def _clone(state):
     return {k: ([t.clone() for t in v] if isinstance(v, list) else v.clone()) for k, v in state.items()}
 
 
+def _use_threads(n):
+    # NOTE: through _C: up to 3 workers even on a 2-CPU machine, on purpose (results must not
+    # depend on the worker count); kernels.set_num_threads refuses more than the CPUs.
+    _C.set_num_threads(n)
+
+
 def _run_adamw(state, out_dtype, isa, threads, steps=2, out_offset=0):
-    kernels.set_num_threads(threads)
+    _use_threads(threads)
     out = None if out_dtype is None else [torch.empty(p.numel() + out_offset, dtype=out_dtype)[out_offset:]
                                           for p in state["params"]]
     with kernels.use_isa(isa):
@@ -86,7 +93,7 @@ def test_sign_sgd_and_accumulate_isa_equal_scalar(isa, grad_dtype, threads, spli
     grads[3][::5] = 0  # sign(0) = 0
     results = {}
     for which, n_threads in (("ref", 1), ("isa", threads)):
-        kernels.set_num_threads(n_threads)
+        _use_threads(n_threads)
         p = [t.clone() for t in params]
         out = [torch.empty(t.numel() + 5, dtype=torch.bfloat16)[5:] for t in p]
         acc = [torch.empty(t.numel()) for t in p]
@@ -205,6 +212,12 @@ def test_overlapping_tensors_are_rejected():
     args["grads"] = [args["params"][0], torch.zeros(8)]   # a gradient aliasing a parameter
     with pytest.raises(ValueError, match=r"overlap"):
         kernels.adamw_step(**args, lr=1e-3, beta1=0.9, beta2=0.9, eps=1e-8, weight_decay=0.0)
+    args = _good(2)
+    buf = torch.zeros(8)
+    args["params"][1] = buf
+    args["steps"] = buf.view(torch.int64)[:2]              # written too: must not alias an operand
+    with pytest.raises(ValueError, match=r"steps and params\[1\] overlap"):
+        kernels.adamw_step(**args, lr=1e-3, beta1=0.9, beta2=0.9, eps=1e-8, weight_decay=0.0)
     out = torch.zeros(8, dtype=torch.bfloat16)
     with pytest.raises(ValueError, match=r"compute_params\[1\]"):
         kernels.sign_sgd_step([torch.zeros(8), torch.zeros(8)], [torch.zeros(8), torch.zeros(8)], lr=1.0,
@@ -223,22 +236,31 @@ def test_sign_sgd_and_accumulate_reject_bad_input():
 
 
 def test_threads_and_pinning_settings():
+    allowed = sorted(os.sched_getaffinity(0))
+    outside = next(c for c in range(1024) if c not in allowed)
+    pinned = kernels.get_pinned_cpus()   # (an earlier test may have bound the process)
     with pytest.raises(ValueError, match=r"n must be a positive int"):
         kernels.set_num_threads(0)
+    with pytest.raises(ValueError, match=rf"n={len(allowed) + 1} is more than the {len(allowed)} CPUs"):
+        kernels.set_num_threads(len(allowed) + 1)
     with pytest.raises(ValueError, match=r"cpus\[1\]"):
-        kernels.pin_threads([0, -1])
-    kernels.set_num_threads(3)
-    assert kernels.get_num_threads() == 3
-    cpu = sorted(os.sched_getaffinity(0))[0]
+        kernels.pin_threads([allowed[0], -1])
+    with pytest.raises(ValueError, match=rf"cpus\[0\]={outside} is not a CPU this process may use"):
+        kernels.pin_threads([outside])
+    assert kernels.get_pinned_cpus() == pinned
+    kernels.set_num_threads(len(allowed))
+    assert kernels.get_num_threads() == len(allowed)
+    cpu = allowed[0]
     kernels.pin_threads([cpu])
     try:
         assert kernels.get_pinned_cpus() == [cpu]
         p = [torch.zeros(1 << 20)]
         kernels.sign_sgd_step(p, [torch.ones(1 << 20)], lr=1.0, weight_decay=0.0)
         assert torch.equal(p[0], torch.full((1 << 20,), -1.0))
-    finally:
         kernels.pin_threads(None)
-    assert kernels.get_pinned_cpus() is None
+        assert kernels.get_pinned_cpus() is None
+    finally:
+        kernels.pin_threads(pinned)
 
 
 def test_cache_entry_dies_with_its_tensors_and_changed_lists_are_revalidated():
@@ -252,6 +274,30 @@ def test_cache_entry_dies_with_its_tensors_and_changed_lists_are_revalidated():
         kernels.adamw_step(**args, lr=1e-3, beta1=0.9, beta2=0.9, eps=1e-8, weight_decay=0.0)
     del args
     assert len(kernels._cache) == 0
+
+
+@pytest.mark.parametrize("change", ["data", "set_", "resize_"])
+def test_cache_hit_follows_tensors_changed_in_place(change, split_everything):
+    g = gen(21)
+    params, grads = [torch.randn(300, generator=g) for _ in range(3)], [torch.randn(300, generator=g) for _ in range(3)]
+    accs = [torch.randn(300, generator=g) for _ in range(3)]
+    kernels.sign_sgd_step(params, grads, lr=0.1, weight_decay=0.0)
+    kernels.accumulate_(accs, grads, add=True)
+    old_p, old_acc = params[1].detach(), accs[2].detach()   # keep the old storages alive
+    old_p_copy, old_acc_copy = old_p.clone(), old_acc.clone()
+    new_p, new_acc = torch.randn(300, generator=g), torch.randn(300, generator=g)
+    if change == "data":
+        params[1].data, accs[2].data = new_p.clone(), new_acc.clone()
+    elif change == "set_":
+        params[1].set_(new_p.clone()), accs[2].set_(new_acc.clone())
+    else:   # resize_ to a new size and back: new memory, same metadata as before
+        params[1].resize_(5000).resize_(300).copy_(new_p), accs[2].resize_(5000).resize_(300).copy_(new_acc)
+    kernels.sign_sgd_step(params, grads, lr=0.1, weight_decay=0.0)
+    kernels.accumulate_(accs, grads, add=True)
+    assert torch.equal(params[1], new_p - 0.1 * torch.sign(grads[1]))
+    assert torch.equal(accs[2], new_acc + grads[2])
+    if change != "resize_":   # (resize_ moved the shared storage itself: no old memory to check)
+        assert torch.equal(old_p, old_p_copy) and torch.equal(old_acc, old_acc_copy)
 
 
 def test_isa_override_env(tmp_path):
@@ -273,7 +319,7 @@ def test_isa_override_env(tmp_path):
 def test_pool_works_after_fork():
     code = (
         "import os, torch, cpu_offload.kernels as k\n"
-        "k.set_num_threads(2); p=[torch.zeros(1<<20)]; g=[torch.ones(1<<20)]\n"
+        "k._C.set_num_threads(2); p=[torch.zeros(1<<20)]; g=[torch.ones(1<<20)]\n"
         "k.sign_sgd_step(p, g, lr=1.0, weight_decay=0.0)\n"
         "pid = os.fork()\n"
         "if pid == 0:\n"
