@@ -271,12 +271,7 @@ class FullCPUOffloadOptimizer(torch.optim.Optimizer):
             self._micro += 1
             self._phase = Phase.ACCUMULATING
             return
-        try:
-            self._complete_window()
-        except BaseException:
-            self._phase = Phase.ABORTED
-            self._recover(quiet=True)
-            raise
+        self._complete_window()
         self._phase = Phase.APPLIED
 
     def _backward_died(self, gen: int) -> None:
@@ -315,8 +310,15 @@ class FullCPUOffloadOptimizer(torch.optim.Optimizer):
                           RuntimeWarning, stacklevel=_user_stacklevel())
 
     def _complete_window(self) -> None:
+        """The window's optimizer step is complete on the host and the device; on a
+        failure the window is closed as after an aborted backward, then it raises."""
         t0 = time.perf_counter()
-        finish_window(self._records, self._pipeline, self._transfer, zero_fill=self._zero_fill)
+        try:
+            finish_window(self._records, self._pipeline, self._transfer, zero_fill=self._zero_fill)
+        except BaseException:
+            self._phase = Phase.ABORTED
+            self._recover(quiet=True)
+            raise
         self._blocked_s += time.perf_counter() - t0
         self._close_window()
 
@@ -346,14 +348,10 @@ class FullCPUOffloadOptimizer(torch.optim.Optimizer):
             return loss
         passes = self.grad_accum_steps if self._phase is Phase.APPLIED else self._micro
         if self._phase is Phase.ACCUMULATING:  # a short window
-            self._pipeline.begin_backward(micro=self._micro, final=True, hparams=read_hparams(self.param_groups, self._algorithm))
+            hparams = read_hparams(self.param_groups, self._algorithm)
+            self._pipeline.begin_backward(micro=self._micro, final=True, hparams=hparams)
             self._final = True
-            try:
-                self._complete_window()
-            except BaseException:
-                self._phase = Phase.ABORTED
-                self._recover(quiet=True)
-                raise
+            self._complete_window()
         self._transfer.set_compute_stream()
         self._transfer.compute_waits_for_h2d()
         self._phase = Phase.IDLE
