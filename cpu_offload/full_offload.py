@@ -35,6 +35,7 @@
 from __future__ import annotations
 
 import enum
+from dataclasses import dataclass, field
 import os
 import sys
 import time
@@ -72,6 +73,26 @@ class Phase(enum.Enum):
     APPLIED = "after the window's last backward pass, before step()"
     ABORTED = "after a backward pass that raised"
     CLOSED = "closed"
+
+
+@dataclass(eq=False)
+class _Protocol:
+    """The protocol's mutable state, one object per optimizer.
+
+    NOTE: kept in one object that the wrapper references, never as attributes rebound on the
+    wrapper: a proxy holding a shallow copy of the wrapper's ``__dict__`` (Lightning's
+    LightningOptimizer) then drives the same state as the wrapper and its hooks.
+    """
+
+    phase: Phase = Phase.CLOSED
+    micro: int = 0  # backward passes completed in the open window
+    final: bool = False  # the running backward is the window's last
+    gen: int = 0  # identifies the watched backward; stale signals carry an older one
+    died: int = -1  # generation of a backward that raised, until recovered
+    zero_fill: bool = False  # zero_grad(set_to_none=False): step grad-less parameters with zeros
+    warned_zero_grad: bool = False
+    blocked_s: float = 0.0
+    last_stats: dict = field(default_factory=dict)
 
 
 def _user_stacklevel() -> int:
@@ -133,7 +154,7 @@ class FullCPUOffloadOptimizer(torch.optim.Optimizer):
         timeout_s: float = 600.0,
         sysfs_root: str = "/sys",
     ) -> None:
-        self._phase = Phase.CLOSED  # until fully constructed
+        self._proto = _Protocol()  # CLOSED until fully constructed
         self._algorithm = check_optimizer(optimizer)
         check_options(grad_accum_steps=grad_accum_steps, compute_dtype=compute_dtype, num_slots=num_slots,
                       pinned_bytes=pinned_bytes, timeout_s=timeout_s)
@@ -186,19 +207,11 @@ class FullCPUOffloadOptimizer(torch.optim.Optimizer):
         self._transfer = transfer
         self._pinned_bytes = d2h.nbytes + h2d.nbytes
         self._pid = os.getpid()
-        self._micro = 0  # backward passes completed in the open window
-        self._final = False  # the running backward is the window's last
-        self._gen = 0  # identifies the watched backward; stale signals carry an older one
-        self._died = -1  # generation of a backward that raised, until recovered
-        self._zero_fill = False  # zero_grad(set_to_none=False): step grad-less parameters with zeros
-        self._warned_zero_grad = False
-        self._blocked_s = 0.0
-        self._last_stats: dict = {}
         note_versions(records)
         self._finalizer = weakref.finalize(self, _shutdown, records, self._pipeline, transfer)
         if any(dtype.itemsize > compute_dtype.itemsize for dtype in originals.values()):
             watch_first_forward(self, compute_dtype)  # explains the dtype error of fp32 inputs
-        self._phase = Phase.IDLE
+        self._proto.phase = Phase.IDLE
 
     # ------------------------------------------------------------ backward
     @torch.no_grad()
@@ -213,13 +226,13 @@ class FullCPUOffloadOptimizer(torch.optim.Optimizer):
     def _take_grad(self, rec, param) -> None:
         ownership.check_same_process(self._pid)
         self._settle(in_backward=True)
-        if self._phase is Phase.APPLIED:
+        if self._proto.phase is Phase.APPLIED:
             raise RuntimeError(
                 f"a backward pass started after the last one of the window (grad_accum_steps="
                 f"{self.grad_accum_steps}) had already applied its update, before step(): call step() "
                 "(or zero_grad()) after every window; full offload updates the weights during backward"
             )
-        if self._phase is not Phase.BACKWARD:
+        if self._proto.phase is not Phase.BACKWARD:
             self._begin_backward()
         grad = param.grad
         if grad is None:
@@ -227,7 +240,7 @@ class FullCPUOffloadOptimizer(torch.optim.Optimizer):
         if grad.layout != torch.strided:
             raise TypeError(f"the gradient of {rec.name} is {grad.layout}: full offload needs dense gradients "
                             "(build nn.Embedding / EmbeddingBag with sparse=False)")
-        if rec.arrived == self._micro:
+        if rec.arrived == self._proto.micro:
             raise RuntimeError(f"the gradient of {rec.name} arrived twice in one backward pass")
         grad = local_of(grad)
         compute = rec.local()
@@ -239,66 +252,66 @@ class FullCPUOffloadOptimizer(torch.optim.Optimizer):
         if grad.shape != rec.shape:
             raise RuntimeError(f"gradient of {rec.name} has shape {tuple(grad.shape)}, expected {tuple(rec.shape)}")
         self._pipeline.stage_grad(rec, grad.detach().reshape(-1), add=rec.has_accum)
-        rec.arrived = self._micro
+        rec.arrived = self._proto.micro
         rec.has_accum = self._accumulate
         rec.holds_grad = True
         param.grad = None  # the device copy of the gradient is no longer needed
 
     def _begin_backward(self) -> None:
-        new_window = self._phase is Phase.IDLE
-        self._final = self._micro == self.grad_accum_steps - 1
-        self._gen += 1
-        gen, ref = self._gen, weakref.ref(self)
+        new_window = self._proto.phase is Phase.IDLE
+        self._proto.final = self._proto.micro == self.grad_accum_steps - 1
+        self._proto.gen += 1
+        gen, ref = self._proto.gen, weakref.ref(self)
         # NOTE: watched before the checks below: a check that raises aborts this
         # backward, and the next call recovers the window like any other abort.
         watch_backward(lambda: None if (w := ref()) is None else w._backward_ended(gen),
                        lambda: None if (w := ref()) is None else w._backward_died(gen))
-        self._phase = Phase.BACKWARD
+        self._proto.phase = Phase.BACKWARD
         if new_window:
             self._check_frozen()
             adopt_external_weights(self._records)
         # NOTE: hyper-parameters are read when the last backward of a window
         # starts (the chunks are stepped during it), so an LR scheduler stepped
         # after step() applies to the next step, as with torch.
-        hparams = read_hparams(self.param_groups, self._algorithm) if self._final else None
-        self._pipeline.begin_backward(micro=self._micro, final=self._final, hparams=hparams)
+        hparams = read_hparams(self.param_groups, self._algorithm) if self._proto.final else None
+        self._pipeline.begin_backward(micro=self._proto.micro, final=self._proto.final, hparams=hparams)
 
     def _backward_ended(self, gen: int) -> None:
-        if gen != self._gen or self._phase is not Phase.BACKWARD:
+        if gen != self._proto.gen or self._proto.phase is not Phase.BACKWARD:
             return
         self._pipeline.end_backward()
-        if not self._final:
-            self._micro += 1
-            self._phase = Phase.ACCUMULATING
+        if not self._proto.final:
+            self._proto.micro += 1
+            self._proto.phase = Phase.ACCUMULATING
             return
         self._complete_window()
-        self._phase = Phase.APPLIED
+        self._proto.phase = Phase.APPLIED
 
     def _backward_died(self, gen: int) -> None:
-        if gen == self._gen:
-            self._died = gen  # NOTE: may run on another thread: only record it
+        if gen == self._proto.gen:
+            self._proto.died = gen  # NOTE: may run on another thread: only record it
 
     def _settle(self, *, in_backward: bool = False) -> None:
         """Recover from a backward that raised; raise a pending worker failure once."""
-        if self._died == self._gen or (self._phase is Phase.BACKWARD and not in_backward and outside_backward()):
-            self._phase = Phase.ABORTED
+        if self._proto.died == self._proto.gen or (self._proto.phase is Phase.BACKWARD and not in_backward and outside_backward()):
+            self._proto.phase = Phase.ABORTED
             self._recover()
         err = self._pipeline.take_error()
         if err is not None:
-            if not in_backward and self._phase in (Phase.ACCUMULATING, Phase.APPLIED):
-                self._phase = Phase.ABORTED
+            if not in_backward and self._proto.phase in (Phase.ACCUMULATING, Phase.APPLIED):
+                self._proto.phase = Phase.ABORTED
                 self._recover(quiet=True)
             raise err
 
     def _recover(self, *, quiet: bool = False) -> None:
         """ABORTED -> IDLE: finish what was staged, count what was stepped, drop the rest."""
-        micro, final = self._micro, self._final
-        self._gen += 1  # signals of the dead backward are stale from here on
+        micro, final = self._proto.micro, self._proto.final
+        self._proto.gen += 1  # signals of the dead backward are stale from here on
         try:
             stepped, torn = salvage_window(self._records, self._pipeline, self._transfer)
         finally:
             self._close_window()
-            self._phase = Phase.IDLE
+            self._proto.phase = Phase.IDLE
         if torn:
             raise RuntimeError(f"parameters {torn} were only partly updated when the backward pass failed; "
                                "their masters no longer match a whole step: reload the last checkpoint")
@@ -314,18 +327,18 @@ class FullCPUOffloadOptimizer(torch.optim.Optimizer):
         failure the window is closed as after an aborted backward, then it raises."""
         t0 = time.perf_counter()
         try:
-            finish_window(self._records, self._pipeline, self._transfer, zero_fill=self._zero_fill)
+            finish_window(self._records, self._pipeline, self._transfer, zero_fill=self._proto.zero_fill)
         except BaseException:
-            self._phase = Phase.ABORTED
+            self._proto.phase = Phase.ABORTED
             self._recover(quiet=True)
             raise
-        self._blocked_s += time.perf_counter() - t0
+        self._proto.blocked_s += time.perf_counter() - t0
         self._close_window()
 
     def _close_window(self) -> None:
         reset_window(self._records, self._pipeline)
-        self._micro = 0
-        self._final = False
+        self._proto.micro = 0
+        self._proto.final = False
 
     # ---------------------------------------------------------------- step
     def step(self, closure=None):
@@ -340,29 +353,29 @@ class FullCPUOffloadOptimizer(torch.optim.Optimizer):
             with torch.enable_grad():
                 loss = closure()
             self._enter()
-        if self._phase is Phase.BACKWARD:
+        if self._proto.phase is Phase.BACKWARD:
             raise RuntimeError("step() called during a backward pass")
         self._check_frozen()
         t0 = time.perf_counter()
-        if self._phase is Phase.IDLE:
+        if self._proto.phase is Phase.IDLE:
             return loss
-        passes = self.grad_accum_steps if self._phase is Phase.APPLIED else self._micro
-        if self._phase is Phase.ACCUMULATING:  # a short window
+        passes = self.grad_accum_steps if self._proto.phase is Phase.APPLIED else self._proto.micro
+        if self._proto.phase is Phase.ACCUMULATING:  # a short window
             hparams = read_hparams(self.param_groups, self._algorithm)
-            self._pipeline.begin_backward(micro=self._micro, final=True, hparams=hparams)
-            self._final = True
+            self._pipeline.begin_backward(micro=self._proto.micro, final=True, hparams=hparams)
+            self._proto.final = True
             self._complete_window()
         self._transfer.set_compute_stream()
         self._transfer.compute_waits_for_h2d()
-        self._phase = Phase.IDLE
+        self._proto.phase = Phase.IDLE
         stats = dict(self._pipeline.stats)
         self._pipeline.stats.clear()
-        stats.update(step_blocked_s=self._blocked_s + time.perf_counter() - t0, pinned_bytes=self._pinned_bytes,
+        stats.update(step_blocked_s=self._proto.blocked_s + time.perf_counter() - t0, pinned_bytes=self._pinned_bytes,
                      host_bytes=self._host.nbytes, backward_passes=passes)
-        self._blocked_s = 0.0
+        self._proto.blocked_s = 0.0
         for key in ("d2h_bytes", "h2d_bytes", "chunks", "kernel_s", "accumulate_s"):
             stats.setdefault(key, 0)
-        self._last_stats = stats
+        self._proto.last_stats = stats
         return loss
 
     def zero_grad(self, set_to_none: bool = True) -> None:
@@ -375,18 +388,18 @@ class FullCPUOffloadOptimizer(torch.optim.Optimizer):
         gradient before are stepped with a zero gradient in later steps.
         """
         self._enter()
-        if self._phase is Phase.BACKWARD:
+        if self._proto.phase is Phase.BACKWARD:
             raise RuntimeError("zero_grad() called during a backward pass")
-        if self._phase is Phase.ACCUMULATING:
+        if self._proto.phase is Phase.ACCUMULATING:
             self._pipeline.drain()
             self._close_window()
-        elif self._phase is Phase.APPLIED and not self._warned_zero_grad:
-            self._warned_zero_grad = True
+        elif self._proto.phase is Phase.APPLIED and not self._proto.warned_zero_grad:
+            self._proto.warned_zero_grad = True
             warnings.warn("cpu_offload: zero_grad() without step() after a window's last backward pass: full "
                           "offload applied that update during backward; it stays applied and counts as a step",
                           RuntimeWarning, stacklevel=_user_stacklevel())
-        self._phase = Phase.IDLE
-        self._zero_fill = not set_to_none
+        self._proto.phase = Phase.IDLE
+        self._proto.zero_fill = not set_to_none
         if set_to_none:
             for rec in self._records:
                 rec.holds_grad = False
@@ -435,7 +448,7 @@ class FullCPUOffloadOptimizer(torch.optim.Optimizer):
         """Figures of the last step: bytes D2H/H2D, CPU kernel seconds, seconds
         the loop blocked on the optimizer's tail (the exposed cost), pinned and
         host bytes, chunks."""
-        return dict(self._last_stats)
+        return dict(self._proto.last_stats)
 
     # ------------------------------------------------------------- helpers
     def _check_frozen(self) -> None:
@@ -447,23 +460,23 @@ class FullCPUOffloadOptimizer(torch.optim.Optimizer):
 
     def _enter(self) -> None:
         ownership.check_same_process(self._pid)
-        if self._phase is Phase.CLOSED:
+        if self._proto.phase is Phase.CLOSED:
             raise RuntimeError("this FullCPUOffloadOptimizer is closed")
         self._settle()
 
     def _check_between_steps(self, what: str) -> None:
         self._enter()
-        if self._phase in (Phase.BACKWARD, Phase.ACCUMULATING):
-            raise RuntimeError(f"{what} called {self._phase.value} ({self._micro} of {self.grad_accum_steps} "
+        if self._proto.phase in (Phase.BACKWARD, Phase.ACCUMULATING):
+            raise RuntimeError(f"{what} called {self._proto.phase.value} ({self._proto.micro} of {self.grad_accum_steps} "
                                "backward passes); call it after step()")
         self._pipeline.drain()
 
     # ------------------------------------------------------------- lifecycle
     def close(self) -> None:
         """Remove the hooks, stop the worker and free the staging rings. Idempotent."""
-        if self._phase is Phase.CLOSED:
+        if self._proto.phase is Phase.CLOSED:
             return
-        self._phase = Phase.CLOSED
+        self._proto.phase = Phase.CLOSED
         self._finalizer()
 
     def __repr__(self) -> str:

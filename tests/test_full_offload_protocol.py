@@ -116,7 +116,7 @@ def test_exception_in_final_backward_keeps_state_consistent(exc):
     assert set(h.window) == {"l2.weight", "l2.bias", "l3.weight", "l3.bias"}
     # l2 and l3 were stepped during the failed backward: they count it; l1 got no gradient
     h.ref_step(h.window)
-    assert h.opt._phase is Phase.IDLE
+    assert h.opt._proto.phase is Phase.IDLE
     h.check()
     h.opt.state_dict()  # nothing stays locked
     h.train_normally(2)
@@ -373,3 +373,27 @@ def test_ddp_model_is_refused(tmp_path):
         assert all(p.dtype == torch.float32 for p in model.parameters())
     finally:
         dist.destroy_process_group()
+
+
+def test_proxy_with_a_copied_dict_drives_the_same_optimizer():
+    """Lightning's LightningOptimizer: a class deriving from the wrapper's, whose instance
+    holds a shallow copy of the wrapper's __dict__; calls on it must drive the real state."""
+    h = Harness(k=2)
+    h.train_normally(1, k=2)
+
+    class Proxy:
+        pass
+    proxy = type("ProxyFull", (Proxy, type(h.opt)), {}).__new__(type("ProxyFull", (Proxy, type(h.opt)), {}))
+    proxy.__dict__ = dict(h.opt.__dict__)
+    for _ in range(3):
+        h.window = {}
+        h.backward()
+        h.backward()
+        proxy.step()
+        proxy.zero_grad()
+        h.ref_step(h.window)
+    del proxy
+    import gc
+    gc.collect()  # a dropped proxy closes nothing
+    h.train_normally(1, k=2)
+    h.check()
