@@ -293,7 +293,8 @@ class FullCPUOffloadOptimizer(torch.optim.Optimizer):
 
     def _settle(self, *, in_backward: bool = False) -> None:
         """Recover from a backward that raised; raise a pending worker failure once."""
-        if self._proto.died == self._proto.gen or (self._proto.phase is Phase.BACKWARD and not in_backward and outside_backward()):
+        proto = self._proto
+        if proto.died == proto.gen or (proto.phase is Phase.BACKWARD and not in_backward and outside_backward()):
             self._proto.phase = Phase.ABORTED
             self._recover()
         err = self._pipeline.take_error()
@@ -370,8 +371,8 @@ class FullCPUOffloadOptimizer(torch.optim.Optimizer):
         self._proto.phase = Phase.IDLE
         stats = dict(self._pipeline.stats)
         self._pipeline.stats.clear()
-        stats.update(step_blocked_s=self._proto.blocked_s + time.perf_counter() - t0, pinned_bytes=self._pinned_bytes,
-                     host_bytes=self._host.nbytes, backward_passes=passes)
+        stats.update(step_blocked_s=self._proto.blocked_s + time.perf_counter() - t0,
+                     pinned_bytes=self._pinned_bytes, host_bytes=self._host.nbytes, backward_passes=passes)
         self._proto.blocked_s = 0.0
         for key in ("d2h_bytes", "h2d_bytes", "chunks", "kernel_s", "accumulate_s"):
             stats.setdefault(key, 0)
@@ -467,8 +468,8 @@ class FullCPUOffloadOptimizer(torch.optim.Optimizer):
     def _check_between_steps(self, what: str) -> None:
         self._enter()
         if self._proto.phase in (Phase.BACKWARD, Phase.ACCUMULATING):
-            raise RuntimeError(f"{what} called {self._proto.phase.value} ({self._proto.micro} of {self.grad_accum_steps} "
-                               "backward passes); call it after step()")
+            raise RuntimeError(f"{what} called {self._proto.phase.value} ({self._proto.micro} of "
+                               f"{self.grad_accum_steps} backward passes); call it after step()")
         self._pipeline.drain()
 
     # ------------------------------------------------------------- lifecycle
