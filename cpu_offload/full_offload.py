@@ -357,6 +357,7 @@ class FullCPUOffloadOptimizer(torch.optim.Optimizer):
         if self._proto.phase is Phase.BACKWARD:
             raise RuntimeError("step() called during a backward pass")
         self._check_frozen()
+        self._check_no_bypassed_grads()
         t0 = time.perf_counter()
         if self._proto.phase is Phase.IDLE:
             return loss
@@ -458,6 +459,16 @@ class FullCPUOffloadOptimizer(torch.optim.Optimizer):
                 raise RuntimeError(
                     "a parameter that was frozen (requires_grad=False) when the optimizer was wrapped now requires "
                     "grad; full offload built its host state at construction: set requires_grad before wrapping")
+
+    def _check_no_bypassed_grads(self) -> None:
+        """A gradient left in ``param.grad`` never reached the hooks: it would be lost silently."""
+        left = [rec.name for rec in self._records if rec.param.grad is not None]
+        if left:
+            raise RuntimeError(
+                f"gradients of {left[:8]}{' ...' if len(left) > 8 else ''} reached param.grad without passing "
+                "through full offload's hooks, so no update used them (under FSDP2 after an exception in "
+                "backward: call reset_iter_state() on the root module before the next forward); call zero_grad() "
+                "to drop them")
 
     def _enter(self) -> None:
         ownership.check_same_process(self._pid)

@@ -397,3 +397,14 @@ def test_proxy_with_a_copied_dict_drives_the_same_optimizer():
     gc.collect()  # a dropped proxy closes nothing
     h.train_normally(1, k=2)
     h.check()
+
+
+def test_gradients_that_bypassed_the_hooks_are_reported():
+    h = Harness()
+    h.train_normally(1)
+    h.model.l2.bias.grad = torch.ones_like(h.model.l2.bias)  # as FSDP2 leaves them after an unreset failure
+    with pytest.raises(RuntimeError, match=r"reached param.grad without passing through full offload's hooks"):
+        h.opt.step()
+    h.opt.zero_grad()
+    h.train_normally(1)
+    h.check()
