@@ -1,4 +1,7 @@
-# Shared fixtures: ISA parametrization that skips (visibly) targets this CPU lacks.
+# Shared fixtures: ISA parametrization that skips (visibly) targets this CPU lacks, and a
+# reset of the frameworks' process-wide state between tests.
+import sys
+
 import pytest
 import torch
 
@@ -35,3 +38,15 @@ def restore_threads_and_isa():
 
 def gen(seed: int) -> torch.Generator:
     return torch.Generator().manual_seed(seed)
+
+
+@pytest.fixture(autouse=True)
+def fresh_accelerate_state():
+    """HF Trainer and accelerate keep process-wide state in their Accelerator: reset it after
+    every test that imported accelerate, so runs do not leak into each other."""
+    yield
+    if "accelerate.state" in sys.modules:
+        from accelerate.state import AcceleratorState, GradientState
+
+        AcceleratorState._reset_state(True)
+        GradientState._reset_state()

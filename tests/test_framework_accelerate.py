@@ -18,15 +18,6 @@ from framework_models import (  # noqa: E402
 
 
 
-@pytest.fixture(autouse=True)
-def fresh_accelerate_state():
-    yield
-    from accelerate.state import AcceleratorState, GradientState
-
-    AcceleratorState._reset_state(True)
-    GradientState._reset_state()
-
-
 def train_accelerate(make_opt, *, n_rows, grad_accum, clip):
     """One epoch over ``n_rows`` rows in batches of 2; returns (losses, model, prepared optimizer)."""
     from accelerate.state import AcceleratorState, GradientState

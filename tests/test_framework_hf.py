@@ -17,16 +17,6 @@ from framework_models import (  # noqa: E402
 )
 
 
-@pytest.fixture(autouse=True)
-def fresh_accelerate_state():
-    """Trainer builds an Accelerator; its process-wide state must not leak between runs."""
-    yield
-    from accelerate.state import AcceleratorState, GradientState
-
-    AcceleratorState._reset_state(True)
-    GradientState._reset_state()
-
-
 def rows(n):
     return [{"input_ids": r, "labels": r.clone()} for r in token_rows(n)]
 
