@@ -102,7 +102,6 @@ class Pipeline:
         """The worker's failure as a RuntimeError naming the chunk (once), or None."""
         with self._cv:
             err, self._error = self._error, None
-            self._cv.notify_all()
         if err is None:
             return None
         exc, where = err
