@@ -135,3 +135,23 @@ def loss_report(name: str, got, want) -> tuple[float, str]:
             f"first {got[0]:.5f} vs {want[0]:.5f}, last {got[-1]:.5f} vs {want[-1]:.5f}")
     print(line)
     return diff, line
+
+
+class FullOffloadMaker:
+    """``make(model)`` for the train_* helpers: a full-offload AdamW per call, kept so the
+    test can close them (their gradient hooks) when it ends."""
+
+    def __init__(self, grad_accum_steps: int) -> None:
+        self.grad_accum_steps = grad_accum_steps
+        self.made: list = []
+
+    def __call__(self, model):
+        import cpu_offload
+
+        self.made.append(cpu_offload.offload_optimizer(adamw(model.parameters()), offload="full",
+                                                       grad_accum_steps=self.grad_accum_steps))
+        return self.made[-1]
+
+    def close(self) -> None:
+        for opt in self.made:
+            opt.close()

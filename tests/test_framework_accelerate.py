@@ -13,7 +13,7 @@ pytest.importorskip("transformers")
 
 import cpu_offload  # noqa: E402
 from framework_models import (  # noqa: E402
-    BF16_LOSS_ATOL, Bf16MasterAdamW, adamw, assert_trains, loss_report, tiny_llama, token_rows,
+    FullOffloadMaker, BF16_LOSS_ATOL, Bf16MasterAdamW, adamw, assert_trains, loss_report, tiny_llama, token_rows,
 )
 
 
@@ -70,16 +70,11 @@ def test_accelerate_full_offload_within_bf16_noise(n_rows):
     want, _, _ = train_accelerate(lambda m: Bf16MasterAdamW(m.parameters(), lr=1e-2, betas=(0.9, 0.95),
                                                             weight_decay=0.1),
                                   n_rows=n_rows, grad_accum=2, clip=False)
-    opts = []
-
-    def make(m):
-        opts.append(cpu_offload.offload_optimizer(adamw(m.parameters()), offload="full", grad_accum_steps=2))
-        return opts[-1]
-
+    make = FullOffloadMaker(grad_accum_steps=2)
     try:
         got, _, _ = train_accelerate(make, n_rows=n_rows, grad_accum=2, clip=False)
     finally:
-        opts[0].close()
+        make.close()
     diff, line = loss_report("accelerate offload='full' grad_accum=2 vs bf16 reference", got, want)
     assert len(got) == n_rows // 2  # one loss per batch; 82 rows end on a short window
     assert diff < BF16_LOSS_ATOL, line

@@ -13,7 +13,7 @@ transformers = pytest.importorskip("transformers")
 
 import cpu_offload  # noqa: E402
 from framework_models import (  # noqa: E402
-    BF16_LOSS_ATOL, Bf16MasterAdamW, adamw, assert_trains, loss_report, tiny_llama, token_rows,
+    FullOffloadMaker, BF16_LOSS_ATOL, Bf16MasterAdamW, adamw, assert_trains, loss_report, tiny_llama, token_rows,
 )
 
 
@@ -62,12 +62,7 @@ def test_trainer_full_offload_within_bf16_noise(tmp_path, n_rows):
     want, _, _ = train_with_trainer(tmp_path, lambda m: Bf16MasterAdamW(m.parameters(), lr=1e-2, betas=(0.9, 0.95),
                                                                         weight_decay=0.1),
                                     n_rows=n_rows, grad_accum=2, epochs=2, max_grad_norm=0.0)
-    opts = []
-
-    def make(m):
-        opts.append(cpu_offload.offload_optimizer(adamw(m.parameters()), offload="full", grad_accum_steps=2))
-        return opts[-1]
-
+    make = FullOffloadMaker(grad_accum_steps=2)
     try:
         got, model, opt = train_with_trainer(tmp_path, make, n_rows=n_rows, grad_accum=2, epochs=2,
                                              max_grad_norm=0.0)
@@ -83,7 +78,7 @@ def test_trainer_full_offload_within_bf16_noise(tmp_path, n_rows):
             assert loaded[n].dtype == torch.float32 and torch.equal(loaded[n], fp32[n])
             assert p.dtype == torch.bfloat16 and torch.equal(p, fp32[n].to(torch.bfloat16))
     finally:
-        opts[0].close()
+        make.close()
     diff, line = loss_report("Trainer offload='full' grad_accum=2 vs bf16 reference", got, want)
     assert len(got) == 2 * (n_rows // 4 + (n_rows % 4 > 0))  # 2 epochs of windows; 42 rows: a short last one
     assert diff < BF16_LOSS_ATOL, line

@@ -14,7 +14,7 @@ pytest.importorskip("transformers")
 
 import cpu_offload  # noqa: E402
 from framework_models import (  # noqa: E402
-    BF16_LOSS_ATOL, Bf16MasterAdamW, adamw, assert_trains, loss_report, tiny_llama, token_rows,
+    FullOffloadMaker, BF16_LOSS_ATOL, Bf16MasterAdamW, adamw, assert_trains, loss_report, tiny_llama, token_rows,
 )
 
 # NOTE: a deprecation inside the framework itself, not in these tests or this package.
@@ -70,12 +70,7 @@ def test_lightning_full_offload_within_bf16_noise():
     want, _ = train_lightning(lambda m: Bf16MasterAdamW(m.parameters(), lr=1e-2, betas=(0.9, 0.95),
                                                         weight_decay=0.1),
                               n_rows=n_rows, grad_accum=2, clip=False)
-    opts = []
-
-    def make(m):
-        opts.append(cpu_offload.offload_optimizer(adamw(m.parameters()), offload="full", grad_accum_steps=2))
-        return opts[-1]
-
+    make = FullOffloadMaker(grad_accum_steps=2)
     try:
         got, mod = train_lightning(make, n_rows=n_rows, grad_accum=2, clip=False)
         # fp32 weights to save: the masters in the optimizer's state_dict
@@ -83,8 +78,7 @@ def test_lightning_full_offload_within_bf16_noise():
         for p, m in zip(mod.model.parameters(), masters):
             assert m.dtype == torch.float32 and torch.equal(p, m.to(torch.bfloat16))
     finally:
-        for opt in opts:
-            opt.close()
+        make.close()
     diff, line = loss_report("Lightning offload='full' grad_accum=2 vs bf16 reference", got, want)
     assert len(got) == 40
     assert diff < BF16_LOSS_ATOL, line
