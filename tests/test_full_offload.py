@@ -293,16 +293,21 @@ def test_worker_error_surfaces_with_names(monkeypatch):
     off.close()
 
 
-def test_timeout_has_pipeline_diagnostic(monkeypatch):
+def slow_adamw(monkeypatch, seconds):
+    """Make every AdamW kernel call of the worker take ``seconds`` longer."""
     import time
     real = runner_mod.kernels.adamw_step
 
     def slow(*args, **kwargs):
-        time.sleep(0.5)
+        time.sleep(seconds)
         return real(*args, **kwargs)
+    monkeypatch.setattr(runner_mod.kernels, "adamw_step", slow)
+
+
+def test_timeout_has_pipeline_diagnostic(monkeypatch):
     model, opt = build("adamw")
     off = FullCPUOffloadOptimizer(opt, timeout_s=0.1, **SMALL)
-    monkeypatch.setattr(runner_mod.kernels, "adamw_step", slow)
+    slow_adamw(monkeypatch, 0.5)
     with pytest.raises(TimeoutError, match=r"(?s)timed out after .*pipeline: micro-batch .*d2h ring \[.*h2d ring"):
         model(torch.randn(2, 24, dtype=torch.bfloat16)).sum().backward()
         off.step()
@@ -415,15 +420,9 @@ def test_state_dict_hooks_run_like_torch():
 
 
 def test_step_blocked_counts_the_tail_after_backward(monkeypatch):
-    import time
-    real = runner_mod.kernels.adamw_step
-
-    def slow(*args, **kwargs):
-        time.sleep(0.05)
-        return real(*args, **kwargs)
     model, opt = build("adamw")
     off = FullCPUOffloadOptimizer(opt, **SMALL)
-    monkeypatch.setattr(runner_mod.kernels, "adamw_step", slow)
+    slow_adamw(monkeypatch, 0.05)
     model(torch.randn(2, 24, dtype=torch.bfloat16)).float().sum().backward()
     off.step()
     # the last chunk is queued when backward ends, so the loop waits at least its kernel
