@@ -1,6 +1,10 @@
 # What the worker thread does to one chunk: wait for its gradient copies,
 # accumulate or run the optimizer kernel, hand the compute copy to the device,
 # and count a parameter's step once all of its pieces have been stepped.
+# With norm tracking on, each optimizer chunk's gradient norms are read (or, for
+# host accumulators, computed) before it is stepped: a non-finite gradient
+# stops the window's remaining steps (so a NaN loss changes nothing), and every
+# stepped piece is recorded for a later rollback (step_validation.py).
 #
 # Scope: per-chunk work on the worker thread, the cached tensor lists the
 # kernels see. Non-goals: forming chunks, the queue and the thread
@@ -9,6 +13,7 @@
 from __future__ import annotations
 
 import collections
+import math
 import time
 from dataclasses import dataclass
 from typing import Any, Callable, Optional
@@ -59,6 +64,14 @@ class ChunkRunner:
         self._h2d_next = 0
         self._plans: dict = {}
         self.phase = ""
+        self.track_norms = False  # read or compute each optimizer chunk's gradient norms first
+        self.skip_nonfinite = False  # a non-finite gradient stops the window's remaining steps
+        self.device_norms: Optional[torch.Tensor] = None  # per record index: |g|_2 from the device (no accumulation)
+        self.reset_window()
+
+    def reset_window(self) -> None:
+        self.nonfinite = False  # a gradient of this window is NaN or Inf
+        self.stepped: list = []  # (rec, start, numel, step used, hparams) of each stepped piece
 
     def forget_plans(self) -> None:
         self._plans.clear()
@@ -84,6 +97,13 @@ class ChunkRunner:
             for accs, grads, add in plan.accum_calls:
                 kernels.accumulate_(accs, grads, add)
             t1 = time.perf_counter()
+            if chunk.final and self.track_norms:
+                self.phase = "gradient norms"
+                self._read_norms(chunk)
+            if chunk.final and self.skip_nonfinite and self.nonfinite:
+                with self._lock:
+                    self._release(chunk)
+                return
             self.phase = "optimizer kernel"
             for group, recs, params, grads, m, v, steps, outs in plan.opt_calls:
                 hp = chunk.hparams[group]
@@ -92,10 +112,14 @@ class ChunkRunner:
                     # them and uses step+1 in the bias corrections, like torch.
                     steps.copy_(torch.tensor([r.step for r in recs], dtype=torch.int64))
                     kernels.adamw_step(params, grads, m, v, steps, lr=hp["lr"], beta1=hp["beta1"], beta2=hp["beta2"],
-                                       eps=hp["eps"], weight_decay=hp["weight_decay"], compute_params=outs)
+                                       eps=hp["eps"], weight_decay=hp["weight_decay"], grad_scale=hp["grad_scale"],
+                                       compute_params=outs)
                 else:
                     kernels.sign_sgd_step(params, grads, lr=hp["lr"], weight_decay=hp["weight_decay"],
                                           compute_params=outs)
+            if chunk.final:
+                self.stepped.extend((p.rec, p.start, p.numel, p.rec.step + 1, chunk.hparams[p.rec.group])
+                                    for p in chunk.pieces)
             t2 = time.perf_counter()
             with self._lock:
                 self.stats["accumulate_s"] += t1 - t0
@@ -117,6 +141,19 @@ class ChunkRunner:
         finally:
             if out_slot is not None:
                 out_slot.owner = None
+
+    def _read_norms(self, chunk) -> None:
+        """Each piece's gradient norm: from the device's per-parameter norm, or of the
+        host accumulator (which now holds the window's sum); sets ``nonfinite``."""
+        for p in chunk.pieces:
+            if self.accumulate:
+                n = float(torch.linalg.vector_norm(p.rec.accum[p.start : p.start + p.numel]))
+                p.rec.grad_sq += n * n
+            else:
+                n = float(self.device_norms[p.rec.index])
+                p.rec.grad_sq = n * n
+            if not math.isfinite(n):
+                self.nonfinite = True
 
     def _plan(self, chunk, out_slot: Optional[Slot]) -> _Plan:
         key = (

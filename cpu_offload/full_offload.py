@@ -16,6 +16,7 @@
 #   ACCUMULATING ──first gradient──► BACKWARD (pass j+1)
 #   ACCUMULATING ──step()──► IDLE (a short window: the optimizer runs on what was accumulated)
 #   ACCUMULATING ──zero_grad()──► IDLE (the window is discarded, like torch)
+#   APPLIED ──clip_grad_norm_()──► APPLIED (the window's factor changes; applied at step())
 #   APPLIED ──step()──► IDLE;   APPLIED ──zero_grad()──► IDLE (the update stays applied; warned once)
 #   APPLIED ──first gradient──► error: step() or zero_grad() first (state unchanged)
 #   IDLE ──step()──► IDLE (nothing to do, as torch)
@@ -25,12 +26,14 @@
 #   any ──close()──► CLOSED
 #
 # A worker failure is raised once on the caller's thread; the window it hit is
-# closed as after an aborted backward, and the next window works again.
+# closed as after an aborted backward, and the next window works again. When the
+# last backward ends, the speculative step is validated (step_validation.py):
+# skipped on a non-finite gradient, redone when clipping changes its factor.
 #
 # Scope: construction (checks, binding, host state, pinned rings, hooks), the
-# protocol above, zero_grad, stats, close. Non-goals: gradient clipping
-# (raises), optimizers other than torch AdamW and cpu_offload.SignSGD,
-# parameters on several devices, FSDP2's ``set_requires_gradient_sync(False)``.
+# protocol above, zero_grad, clip_grad_norm_, stats, close. Non-goals:
+# optimizers other than torch AdamW and cpu_offload.SignSGD, parameters on
+# several devices, FSDP2's ``set_requires_gradient_sync(False)``.
 
 from __future__ import annotations
 
@@ -41,7 +44,7 @@ import sys
 import time
 import warnings
 import weakref
-from typing import Iterable
+from typing import Iterable, Optional
 
 import torch
 
@@ -54,9 +57,11 @@ from cpu_offload.host_state import (
 from cpu_offload.dtensor import local_of
 from cpu_offload.dtype_hint import watch_first_forward
 from cpu_offload.full_offload_setup import (
-    bind_for, check_optimizer, check_options, read_hparams, staging_slot_bytes,
+    bind_for, check_clipping_options, check_optimizer, check_options, read_hparams, staging_slot_bytes,
 )
+from cpu_offload.grad_norms import check_norm_type
 from cpu_offload.pipeline import Pipeline
+from cpu_offload.step_validation import StepValidator
 from cpu_offload.transfer import HostRing, make_transfer
 from cpu_offload.window import finish_window, reset_window, salvage_window
 from cpu_offload.wrapping import adopt_optimizer, load_state_dict_with_hooks, state_dict_with_hooks
@@ -140,6 +145,12 @@ class FullCPUOffloadOptimizer(torch.optim.Optimizer):
         num_slots: slots per ring (default 4).
         timeout_s: limit for every wait of the pipeline (default 600 s).
         sysfs_root: where sysfs is mounted (for the topology binding).
+        max_grad_norm: clip every step to this total 2-norm, as
+            ``torch.nn.utils.clip_grad_norm_`` would (default None: only when
+            ``clip_grad_norm_`` is called).
+        skip_nonfinite: skip a step whose gradients hold NaN or Inf on any rank,
+            leaving masters, moments and step counts as before it (default True;
+            False: torch's behaviour).
     """
 
     def __init__(
@@ -153,11 +164,15 @@ class FullCPUOffloadOptimizer(torch.optim.Optimizer):
         num_slots: int = 4,
         timeout_s: float = 600.0,
         sysfs_root: str = "/sys",
+        max_grad_norm: Optional[float] = None,
+        skip_nonfinite: bool = True,
     ) -> None:
         self._proto = _Protocol()  # CLOSED until fully constructed
         self._algorithm = check_optimizer(optimizer)
         check_options(grad_accum_steps=grad_accum_steps, compute_dtype=compute_dtype, num_slots=num_slots,
                       pinned_bytes=pinned_bytes, timeout_s=timeout_s)
+        max_grad_norm = check_clipping_options(max_grad_norm=max_grad_norm, skip_nonfinite=skip_nonfinite)
+        tracking = skip_nonfinite or max_grad_norm is not None
         records, frozen = collect_records(optimizer)
         ownership.check_unowned(records)
         ownership.check_not_cast(records)
@@ -181,7 +196,8 @@ class FullCPUOffloadOptimizer(torch.optim.Optimizer):
         try:
             originals = cast_to_compute(records, compute_dtype=compute_dtype, keep_fp32=keep)
             self._pipeline = Pipeline(transfer=transfer, algorithm=self._algorithm, d2h=d2h, h2d=h2d,
-                                      accumulate=accumulate, timeout_s=float(timeout_s))
+                                      accumulate=accumulate, timeout_s=float(timeout_s), skip_nonfinite=skip_nonfinite,
+                                      norm_slots=1 + max(r.index for r in records) if tracking else 0)
             ref = weakref.ref(self)
             for rec in records:
                 rec.hook = rec.param.register_post_accumulate_grad_hook(
@@ -205,6 +221,10 @@ class FullCPUOffloadOptimizer(torch.optim.Optimizer):
         self._records, self._frozen = records, frozen
         self._accumulate = accumulate
         self._transfer = transfer
+        self._validator = StepValidator(records=records, pipeline=self._pipeline, transfer=transfer,
+                                        algorithm=self._algorithm, accumulate=accumulate,
+                                        skip_nonfinite=skip_nonfinite, max_grad_norm=max_grad_norm,
+                                        stacklevel=_user_stacklevel)
         self._pinned_bytes = d2h.nbytes + h2d.nbytes
         self._pid = os.getpid()
         note_versions(records)
@@ -251,7 +271,10 @@ class FullCPUOffloadOptimizer(torch.optim.Optimizer):
             )
         if grad.shape != rec.shape:
             raise RuntimeError(f"gradient of {rec.name} has shape {tuple(grad.shape)}, expected {tuple(rec.shape)}")
-        self._pipeline.stage_grad(rec, grad.detach().reshape(-1), add=rec.has_accum)
+        grad = grad.detach().reshape(-1)
+        self._pipeline.stage_grad(rec, grad, add=rec.has_accum)
+        if not self._accumulate:
+            rec.retained = grad  # NOTE: kept on the device until the window closes, for a redo
         rec.arrived = self._proto.micro
         rec.has_accum = self._accumulate
         rec.holds_grad = True
@@ -273,7 +296,7 @@ class FullCPUOffloadOptimizer(torch.optim.Optimizer):
         # NOTE: hyper-parameters are read when the last backward of a window
         # starts (the chunks are stepped during it), so an LR scheduler stepped
         # after step() applies to the next step, as with torch.
-        hparams = read_hparams(self.param_groups, self._algorithm) if self._proto.final else None
+        hparams = self._read_hparams() if self._proto.final else None
         self._pipeline.begin_backward(micro=self._proto.micro, final=self._proto.final, hparams=hparams)
 
     def _backward_ended(self, gen: int) -> None:
@@ -323,21 +346,34 @@ class FullCPUOffloadOptimizer(torch.optim.Optimizer):
             warnings.warn(f"cpu_offload: {where} raised; {done}the rest of the accumulation window was discarded",
                           RuntimeWarning, stacklevel=_user_stacklevel())
 
+    def _read_hparams(self) -> list:
+        hparams = read_hparams(self.param_groups, self._algorithm)
+        for hp in hparams:
+            hp["grad_scale"] = self._validator.scale
+        return hparams
+
     def _complete_window(self) -> None:
-        """The window's optimizer step is complete on the host and the device; on a
-        failure the window is closed as after an aborted backward, then it raises."""
+        """The window's optimizer step is complete and validated on the host and the
+        device (the window stays open for clip_grad_norm_ until step())."""
+        self._guarded(lambda: (finish_window(self._records, self._pipeline, self._transfer,
+                                             zero_fill=self._proto.zero_fill),
+                               self._validator.after_final_pass()))
+
+    def _guarded(self, work) -> None:
+        """Run ``work`` on an open window, counting its time as blocked; on a failure
+        the window is closed as after an aborted backward, then it raises."""
         t0 = time.perf_counter()
         try:
-            finish_window(self._records, self._pipeline, self._transfer, zero_fill=self._proto.zero_fill)
+            work()
         except BaseException:
             self._proto.phase = Phase.ABORTED
             self._recover(quiet=True)
             raise
         self._proto.blocked_s += time.perf_counter() - t0
-        self._close_window()
 
     def _close_window(self) -> None:
         reset_window(self._records, self._pipeline)
+        self._validator.open_window()
         self._proto.micro = 0
         self._proto.final = False
 
@@ -363,17 +399,20 @@ class FullCPUOffloadOptimizer(torch.optim.Optimizer):
             return loss
         passes = self.grad_accum_steps if self._proto.phase is Phase.APPLIED else self._proto.micro
         if self._proto.phase is Phase.ACCUMULATING:  # a short window
-            hparams = read_hparams(self.param_groups, self._algorithm)
-            self._pipeline.begin_backward(micro=self._proto.micro, final=True, hparams=hparams)
+            self._pipeline.begin_backward(micro=self._proto.micro, final=True, hparams=self._read_hparams())
             self._proto.final = True
             self._complete_window()
+        self._guarded(self._validator.apply)
         self._transfer.set_compute_stream()
         self._transfer.compute_waits_for_h2d()
-        self._proto.phase = Phase.IDLE
+        v = self._validator
         stats = dict(self._pipeline.stats)
-        self._pipeline.stats.clear()
         stats.update(step_blocked_s=self._proto.blocked_s + time.perf_counter() - t0,
-                     pinned_bytes=self._pinned_bytes, host_bytes=self._host.nbytes, backward_passes=passes)
+                     pinned_bytes=self._pinned_bytes, host_bytes=self._host.nbytes, backward_passes=passes,
+                     grad_norm=v.grad_norm, clip_coef=v.clip_coef, skipped=v.skipped)
+        self._pipeline.stats.clear()
+        self._close_window()
+        self._proto.phase = Phase.IDLE
         self._proto.blocked_s = 0.0
         for key in ("d2h_bytes", "h2d_bytes", "chunks", "kernel_s", "accumulate_s"):
             stats.setdefault(key, 0)
@@ -395,7 +434,10 @@ class FullCPUOffloadOptimizer(torch.optim.Optimizer):
         if self._proto.phase is Phase.ACCUMULATING:
             self._pipeline.drain()
             self._close_window()
-        elif self._proto.phase is Phase.APPLIED and not self._proto.warned_zero_grad:
+        elif self._proto.phase is Phase.APPLIED:
+            self._guarded(self._validator.apply)
+            self._close_window()
+        if self._proto.phase is Phase.APPLIED and not self._proto.warned_zero_grad:
             self._proto.warned_zero_grad = True
             warnings.warn("cpu_offload: zero_grad() without step() after a window's last backward pass: full "
                           "offload applied that update during backward; it stays applied and counts as a step",
@@ -413,12 +455,25 @@ class FullCPUOffloadOptimizer(torch.optim.Optimizer):
                     else:
                         p.grad.detach_().zero_()
 
-    def clip_grad_norm_(self, *args, **kwargs):
-        raise RuntimeError(
-            "gradient clipping is not available with offload='full': gradients are consumed on the host "
-            "during backward, so torch.nn.utils.clip_grad_norm_ would see no gradients and silently "
-            "return 0; use offload='optimizer' or offload='none' if you need clipping"
-        )
+    def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0, error_if_nonfinite: bool = False,
+                        foreach=None) -> torch.Tensor:
+        """``torch.nn.utils.clip_grad_norm_`` over the gradients of the coming step.
+
+        Call it after the window's last backward pass (or after fewer, before a
+        short window's ``step()``), where a script would clip ``param.grad``.
+        Returns the total norm over every gradient of the step (all ranks) as a
+        0-d float32 tensor on the parameters' device; ``step()`` applies
+        ``min(1, max_norm / (total + 1e-6))`` to all of them. ``foreach`` is
+        accepted for torch's signature and ignored.
+        """
+        self._enter()
+        max_norm = float(max_norm)
+        p = check_norm_type(norm_type)
+        if self._proto.phase is Phase.BACKWARD:
+            raise RuntimeError("clip_grad_norm_() called during a backward pass; call it after backward()")
+        total = 0.0 if self._proto.phase is Phase.IDLE else \
+            self._validator.clip(max_norm, p, error_if_nonfinite=error_if_nonfinite)
+        return torch.tensor(total, dtype=torch.float32, device=self._records[0].local().device)
 
     def add_param_group(self, param_group) -> None:
         raise RuntimeError(
@@ -434,11 +489,15 @@ class FullCPUOffloadOptimizer(torch.optim.Optimizer):
 
     def state_dict(self) -> dict:
         self._check_between_steps("state_dict()")
+        self._guarded(self._validator.apply)  # a pending clip belongs to the saved step
         adopt_external_weights(self._records)
         return state_dict_with_hooks(self, lambda: checkpoint.state_dict(self))
 
     def load_state_dict(self, state_dict: dict) -> None:
         self._check_between_steps("load_state_dict()")
+        if self._proto.phase is Phase.APPLIED:  # the loaded state replaces the window's step
+            self._guarded(self._validator.apply)
+            self._close_window()
 
         def apply(sd: dict) -> None:
             checkpoint.load_state_dict(self, sd)
@@ -449,8 +508,10 @@ class FullCPUOffloadOptimizer(torch.optim.Optimizer):
     def stats(self) -> dict:
         """Figures of the last step: bytes D2H/H2D, CPU kernel seconds, seconds
         the loop blocked on the optimizer's tail (the exposed cost), pinned and
-        host bytes, chunks."""
-        return dict(self._proto.last_stats)
+        host bytes, chunks, ``grad_norm`` and ``clip_coef`` (None when not
+        computed), whether it was ``skipped``; ``skipped_steps`` counts since
+        construction."""
+        return dict(self._proto.last_stats, skipped_steps=self._validator.skipped_steps)
 
     # ------------------------------------------------------------- helpers
     def _check_frozen(self) -> None:

@@ -56,6 +56,17 @@ def check_options(*, grad_accum_steps, compute_dtype, num_slots, pinned_bytes, t
         raise ValueError(f"timeout_s must be a number > 0, got {timeout_s!r}")
 
 
+def check_clipping_options(*, max_grad_norm, skip_nonfinite) -> Optional[float]:
+    if not isinstance(skip_nonfinite, bool):
+        raise TypeError(f"skip_nonfinite must be True or False, got {skip_nonfinite!r}")
+    if max_grad_norm is None:
+        return None
+    if isinstance(max_grad_norm, bool) or not isinstance(max_grad_norm, (int, float)) \
+            or not math.isfinite(max_grad_norm) or max_grad_norm <= 0:
+        raise ValueError(f"max_grad_norm must be a finite number > 0 or None, got {max_grad_norm!r}")
+    return float(max_grad_norm)
+
+
 def staging_slot_bytes(records, keep: set, compute_dtype, *, pinned_bytes: int, num_slots: int) -> int:
     """Slot size: a share of ``pinned_bytes``, no larger than all gradients
     together need (small models get small rings)."""

@@ -56,6 +56,8 @@ class ParamRecord:
     arrived: int = -1  # micro-batch index of the last gradient seen
     pieces_total: int = 0  # pieces of this window's optimizer step (0: not stepped)
     pieces_done: int = 0  # of which the worker has stepped; step += 1 when all are done
+    grad_sq: float = 0.0  # squared 2-norm of the window's (local) gradient, when norms are tracked
+    retained: Optional[torch.Tensor] = None  # without accumulation: the flat device gradient, for a redo
     hook: object = field(default=None, repr=False)
 
     def local(self) -> torch.Tensor:
@@ -67,6 +69,8 @@ class ParamRecord:
         self.has_accum = False
         self.arrived = -1
         self.pieces_total = self.pieces_done = 0
+        self.grad_sq = 0.0
+        self.retained = None
 
 
 def collect_records(optimizer: torch.optim.Optimizer) -> tuple[list[ParamRecord], list[torch.nn.Parameter]]:

@@ -70,9 +70,12 @@ class Pipeline:
         d2h, h2d: the staging rings (same slot size).
         accumulate: records own fp32 accumulators (grad_accum_steps > 1).
         timeout_s: limit for every wait.
+        norm_slots: with norm tracking, one more than the largest record index.
+        skip_nonfinite: a non-finite gradient stops the window's remaining steps.
     """
 
-    def __init__(self, *, transfer, algorithm: str, d2h: HostRing, h2d: HostRing, accumulate: bool, timeout_s: float) -> None:
+    def __init__(self, *, transfer, algorithm: str, d2h: HostRing, h2d: HostRing, accumulate: bool, timeout_s: float,
+                 norm_slots: int = 0, skip_nonfinite: bool = False) -> None:
         if d2h.slot_bytes != h2d.slot_bytes:
             raise ValueError("d2h and h2d slots must have the same size")
         self.transfer = transfer
@@ -83,6 +86,11 @@ class Pipeline:
         self._runner = ChunkRunner(transfer=transfer, algorithm=algorithm, h2d=h2d, accumulate=accumulate,
                                    timeout_s=timeout_s, stats=self.stats, lock=self._cv, release=self._release_input,
                                    diagnose=self.diagnose)
+        self._accumulate = accumulate
+        self._runner.track_norms = norm_slots > 0
+        self._runner.skip_nonfinite = skip_nonfinite and norm_slots > 0
+        if norm_slots and not accumulate:
+            self._runner.device_norms = torch.zeros(norm_slots, dtype=torch.float32, pin_memory=transfer.pin)
         self._queue: collections.deque = collections.deque()
         self._open: Optional[Chunk] = None
         self._busy: Optional[Chunk] = None
@@ -109,10 +117,26 @@ class Pipeline:
         wrapped.__cause__ = exc
         return wrapped
 
-    def clear_failure(self) -> None:
-        """The window a failure hit is closed (after a drain): run chunks again."""
+    def reset_window(self) -> None:
+        """The window is closed (after a drain): forget what it stepped, run chunks again after a failure."""
         with self._cv:
             self._failed = False
+        self._runner.reset_window()
+
+    @property
+    def stepped(self) -> list:
+        """``(rec, start, numel, step used, hparams)`` of every piece stepped in this window."""
+        return self._runner.stepped
+
+    @property
+    def hparams(self) -> Optional[list]:
+        """The hyper-parameters of the running (or last) backward's optimizer steps."""
+        return self._cur[2]
+
+    @property
+    def nonfinite(self) -> bool:
+        """A gradient of this window was NaN or Inf (known once drained; with norm tracking)."""
+        return self._runner.nonfinite
 
     def raise_error(self) -> None:
         err = self.take_error()
@@ -127,11 +151,18 @@ class Pipeline:
         dtype = torch.bfloat16 if grad.dtype == torch.bfloat16 else torch.float32
         used = None if self._open is None else self._open.used
         placements, _ = place(rec.numel, dtype.itemsize, self.d2h.slot_bytes, used)
+        norm = None
         if self._cur[1]:
             # NOTE: set before any piece is queued: the runner counts the step when
             # it has processed this many pieces, whichever chunk finishes last.
             rec.pieces_total, rec.pieces_done = len(placements), 0
+            if self._runner.device_norms is not None:
+                norm = torch.linalg.vector_norm(grad, dtype=torch.float32)
         self.transfer.grad_ready()
+        if norm is not None:
+            # NOTE: queued before the pieces, so the marker of the chunk holding the
+            # first piece also covers this copy: the runner reads it before stepping.
+            self.transfer.d2h_copy(self._runner.device_norms[rec.index : rec.index + 1], norm.reshape(1))
         self._staging = (rec, grad, add, placements, 0)
         self._issue_staged()
 
@@ -293,7 +324,7 @@ class Pipeline:
                 chunk = self._queue.popleft()
                 self._busy = chunk
                 # NOTE: after a failure the rest of the window is skipped (until
-                # ``clear_failure``); the pieces of skipped chunks are not counted,
+                # ``reset_window``); the pieces of skipped chunks are not counted,
                 # so no parameter counts a step its master did not take.
                 skip = self._failed
             try:

@@ -61,4 +61,4 @@ def salvage_window(records, pipeline, transfer) -> tuple[list, list]:
 def reset_window(records, pipeline) -> None:
     for rec in records:
         rec.reset_window()
-    pipeline.clear_failure()
+    pipeline.reset_window()

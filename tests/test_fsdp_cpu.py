@@ -3,7 +3,8 @@
 # sharded model and must end with masters and compute copies bit-identical to
 # one process training the same model unsharded; a checkpoint saved with
 # torch.distributed.checkpoint and loaded into a fresh model resumes
-# bit-identically.
+# bit-identically. With clipping, the norm is the global one on every rank, and
+# a NaN gradient on one rank only skips the step on both.
 import os
 import socket
 import subprocess
@@ -35,12 +36,63 @@ def batch(step, micro):
     return torch.randn(8, 16, generator=torch.Generator().manual_seed(100 * step + micro)).to(torch.bfloat16)
 
 
-def train(model, opt, steps):
+def train(model, opt, steps, clip=None):
+    norms = []
     for s in steps:
         for m in range(ACCUM):
             model(batch(s, m)).float().pow(2).mean().backward()
+        if clip is not None:
+            norms.append(float(opt.clip_grad_norm_(clip)))
         opt.step()
         opt.zero_grad()
+    return norms
+
+
+CLIP, NAN_STEP = 0.05, 2
+
+
+def poison_backward(model, index):
+    """Put a NaN into the first weight's (local) gradient in backward pass number ``index`` (from 0)."""
+    seen = [0]
+
+    def hook(p):
+        if seen[0] == index:
+            g = p.grad.to_local() if hasattr(p.grad, "to_local") else p.grad
+            g.view(-1)[0] = float("nan")
+        seen[0] += 1
+    next(iter(model.parameters())).register_post_accumulate_grad_hook(hook)
+
+
+def clip_worker(out_dir):
+    import warnings
+
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from cpu_offload import offload_optimizer
+
+    dist.init_process_group("gloo")
+    rank = dist.get_rank()
+    model = _shard(make_model(), init_device_mesh("cpu", (dist.get_world_size(),)))
+    if rank == 1:  # NaN on rank 1 only, in the last micro-batch of step NAN_STEP
+        poison_backward(model, NAN_STEP * ACCUM + ACCUM - 1)
+    opt = offload_optimizer(make_opt(model), offload="full", grad_accum_steps=ACCUM, pinned_bytes=1 << 15, num_slots=2)
+    norms = []
+    with warnings.catch_warnings(record=True):
+        warnings.simplefilter("always")
+        for s in range(STEPS):
+            for m in range(ACCUM):
+                model(batch(s, m)).float().pow(2).mean().backward()
+            norms.append(float(opt.clip_grad_norm_(CLIP)))
+            opt.step()
+            opt.zero_grad()
+    sd = opt.state_dict()
+    result = {"norms": norms, "skipped": opt.stats()["skipped_steps"],
+              "masters": {i: e["master"].full_tensor() for i, e in sd["state"].items()},
+              "steps": {i: int(e["step"]) for i, e in sd["state"].items()}}
+    torch.save(result, os.path.join(out_dir, f"clip{rank}.pt"))
+    opt.close()
+    dist.destroy_process_group()
 
 
 def _shard(model, mesh):
@@ -110,7 +162,7 @@ def _free_port():
         return s.getsockname()[1]
 
 
-def test_fsdp2_two_processes_equal_one_process(tmp_path):
+def _run_workers(mode, tmp_path):
     if not torch.distributed.is_gloo_available():
         pytest.skip("torch built without gloo")
     import cpu_offload
@@ -122,7 +174,7 @@ def test_fsdp2_two_processes_equal_one_process(tmp_path):
     for rank in range(2):
         env = dict(os.environ, MASTER_ADDR="127.0.0.1", MASTER_PORT=port, RANK=str(rank), WORLD_SIZE="2",
                    LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE="2", OMP_NUM_THREADS="1", PYTHONPATH=path)
-        procs.append(subprocess.Popen([sys.executable, __file__, "--worker", str(tmp_path)], env=env,
+        procs.append(subprocess.Popen([sys.executable, __file__, mode, str(tmp_path)], env=env,
                                       stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True))
     outputs = []
     for p in procs:
@@ -134,6 +186,10 @@ def test_fsdp2_two_processes_equal_one_process(tmp_path):
             pytest.fail("FSDP2 workers timed out")
     for p, out in zip(procs, outputs):
         assert p.returncode == 0, out[-4000:]
+
+
+def test_fsdp2_two_processes_equal_one_process(tmp_path):
+    _run_workers("--worker", tmp_path)
     result = torch.load(tmp_path / "result.pt")
     assert result["dtensor_state"]  # DTensors over host shards
     assert result["resumed_equal"]  # DCP save / load resumes bit-identically
@@ -153,5 +209,36 @@ def test_fsdp2_two_processes_equal_one_process(tmp_path):
     opt.close()
 
 
+def test_fsdp2_clipping_and_nan_on_one_rank(tmp_path):
+    import warnings
+
+    from cpu_offload import offload_optimizer
+
+    _run_workers("--clip-worker", tmp_path)
+    ranks = [torch.load(tmp_path / f"clip{r}.pt") for r in range(2)]
+    assert ranks[0]["norms"][:NAN_STEP] == ranks[1]["norms"][:NAN_STEP]  # the global norm, on every rank
+    assert all(r["norms"][NAN_STEP] != r["norms"][NAN_STEP] for r in ranks)  # NaN on both ranks
+    assert ranks[0]["skipped"] == ranks[1]["skipped"] == 1  # rank 1's NaN skipped the step on both
+    assert ranks[0]["steps"] == ranks[1]["steps"] == {i: STEPS - 1 for i in ranks[0]["steps"]}
+
+    # One process, the same model unsharded, the same batches, the same step skipped.
+    model = make_model()
+    poison_backward(model, NAN_STEP * ACCUM + ACCUM - 1)
+    opt = offload_optimizer(make_opt(model), offload="full", grad_accum_steps=ACCUM, pinned_bytes=1 << 15, num_slots=2)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        norms = train(model, opt, range(STEPS), clip=CLIP)
+    assert opt.stats()["skipped_steps"] == 1
+    for ours, theirs in zip(norms, ranks[0]["norms"]):
+        assert ours == theirs or abs(ours - theirs) <= 1e-6 * ours or (ours != ours and theirs != theirs)
+    assert min(n for n in norms if n == n) > CLIP  # every step clipped
+    for i, e in opt.state_dict()["state"].items():
+        # rank 0 rolled back what it had stepped before rank 1's NaN was known: within the rollback's bound
+        torch.testing.assert_close(e["master"], ranks[0]["masters"][i], rtol=1e-6, atol=1e-7)
+    opt.close()
+
+
 if __name__ == "__main__" and sys.argv[1:2] == ["--worker"]:
     worker(sys.argv[2])
+if __name__ == "__main__" and sys.argv[1:2] == ["--clip-worker"]:
+    clip_worker(sys.argv[2])

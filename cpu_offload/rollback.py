@@ -1,0 +1,63 @@
+# Undoing a speculative optimizer step by inverse arithmetic.
+#
+# Full offload steps each chunk during backward, before the window's gradient
+# norm (or a non-finite gradient on another rank) is known. When the step must
+# be skipped or redone with a coefficient, what was stepped is rolled back from
+# the new state and the gradient that produced it:
+#
+#   AdamW (forward, csrc/kernels/optimizer_kernels.h):
+#     p' = p0*decay;  m1 = b1*m0 + (1-b1)*g;  v1 = b2*v0 + (1-b2)*g*g
+#     p1 = p' + nss*m1/(sqrt(v1) + eps_hat)
+#   inverse:
+#     u = nss*m1/(sqrt(v1) + eps_hat)   (the same bits as in the forward step)
+#     p0 = (p1 - u)/decay;  m0 = (m1 - (1-b1)*g)/b1;  v0 = max((v1 - (1-b2)*g*g)/b2, 0)
+#   SignSGD: p0 = (p1 + lr*sign(g))/decay
+#
+# NOTE: exact only to float32 rounding: p1 - u recovers p' within half an ulp of p1
+# (the forward addition rounded), and each division adds half an ulp. The masters
+# come back within about one ulp, the moments within a few ulps of the larger of
+# their terms; nothing that was finite becomes NaN or Inf (v0 is clamped at 0).
+# A moment whose beta is 0 carries no information about its old value: it comes
+# back as 0, which no later step reads.
+#
+# Scope: the inverse arithmetic on flat fp32 host views. Non-goals: deciding
+# when to roll back (step_validation.py), fetching the gradients.
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from cpu_offload.reference import _f32, _sqrt_f32
+
+__all__ = ["rollback_adamw_", "rollback_sign_sgd_"]
+
+
+def rollback_adamw_(param, grad, exp_avg, exp_avg_sq, step: int, *, lr, beta1, beta2, eps, weight_decay,
+                    grad_scale=1.0) -> None:
+    """Undo one AdamW step in place; ``step`` is the count that step used (1 for the first)."""
+    bias_correction1 = 1.0 - beta1 ** step
+    bc2_sqrt = math.sqrt(1.0 - beta2 ** step)
+    decay = 1.0 - lr * weight_decay
+    g = grad.float() * _f32(grad_scale, param)
+    m1, v1 = exp_avg, exp_avg_sq
+    u = (_f32(-(lr * bc2_sqrt / bias_correction1), param) * m1) / (_sqrt_f32(v1) + _f32(eps * bc2_sqrt, param))
+    p = param - u                                                                   # p' = p0 * decay
+    if decay != 0.0:
+        p = p / _f32(decay, param)
+    m0 = (m1 - g * _f32(1.0 - beta1, param)) / _f32(beta1, param) if beta1 > 0 else torch.zeros_like(m1)
+    v0 = ((v1 - (g * _f32(1.0 - beta2, param)) * g) / _f32(beta2, param)).clamp_(min=0.0) if beta2 > 0 \
+        else torch.zeros_like(v1)
+    param.copy_(p)
+    exp_avg.copy_(m0)
+    exp_avg_sq.copy_(v0)
+
+
+def rollback_sign_sgd_(param, grad, *, lr, weight_decay) -> None:
+    """Undo one SignSGD step in place."""
+    p = param + _f32(lr, param) * torch.sign(grad.float())
+    decay = 1.0 - lr * weight_decay
+    if decay != 0.0:
+        p = p / _f32(decay, param)
+    param.copy_(p)

@@ -1,0 +1,183 @@
+# Validating full offload's speculative step: gradient clipping and the
+# non-finite guard, decided after the window's chunks were already stepped.
+#
+# The chunks are stepped during backward with the window's factor known so far
+# (1, or one announced before the last backward). Once the last pass drained:
+#   - a NaN or Inf gradient on any rank (skip_nonfinite): what was stepped is
+#     rolled back (rollback.py) and the step is skipped. The chunk runner stops
+#     stepping at the first non-finite chunk, so after a NaN loss nothing was
+#     stepped and the state is bit-identical to before the step;
+#   - a factor that differs from the one applied (max_grad_norm, clip_grad_norm_,
+#     scale_grads_): rolled back and stepped again with the new factor. A step
+#     that does not clip keeps factor 1 and is never touched.
+# The window's gradients stay available for this until it closes: the host
+# accumulators (grad_accum_steps > 1) or, without accumulation, each
+# parameter's gradient on the device (``ParamRecord.retained``).
+#
+# Scope: the window's factor, its norms, skip / redo. Non-goals: the norms'
+# arithmetic (grad_norms.py), the inverse step (rollback.py), the protocol
+# (full_offload.py).
+
+from __future__ import annotations
+
+import math
+import time
+import warnings
+from typing import Callable, Optional
+
+import torch
+
+from cpu_offload.grad_norms import clip_coefficient, total_norm
+from cpu_offload.host_state import note_versions
+from cpu_offload.rollback import rollback_adamw_, rollback_sign_sgd_
+
+__all__ = ["StepValidator"]
+
+_WARN_EVERY_S = 60.0
+
+
+class StepValidator:
+    """Per-optimizer validation state; one object shared by the wrapper and its proxies.
+
+    Args:
+        records, pipeline, transfer, algorithm, accumulate: the wrapper's.
+        skip_nonfinite: skip a step whose gradients hold NaN or Inf on any rank.
+        max_grad_norm: clip every step to this total 2-norm (None: only on request).
+        stacklevel: returns the ``stacklevel`` of a warning aimed at the user's code.
+    """
+
+    def __init__(self, *, records, pipeline, transfer, algorithm: str, accumulate: bool, skip_nonfinite: bool,
+                 max_grad_norm: Optional[float], stacklevel: Callable[[], int]) -> None:
+        self.records, self.pipeline, self.transfer = records, pipeline, transfer
+        self.algorithm, self.accumulate = algorithm, accumulate
+        self.skip_nonfinite, self.max_grad_norm = skip_nonfinite, max_grad_norm
+        self.tracking = skip_nonfinite or max_grad_norm is not None
+        self._stacklevel = stacklevel
+        self.skipped_steps = 0
+        self._warned_at = -math.inf
+        self.open_window()
+
+    def open_window(self) -> None:
+        self.scale = 1.0  # the factor on this window's gradients (clip coefficients, scale_grads_)
+        self.skipped = False
+        self._norms: dict = {}  # norm_type -> norm of the window's unscaled gradients
+        self.grad_norm: Optional[float] = None  # the last norm computed in this window (scaled)
+        self.clip_coef: Optional[float] = None  # the last clipping coefficient of this window
+
+    # ------------------------------------------------------------- norms
+    def window_records(self) -> list:
+        return [r for r in self.records if (r.has_accum if self.accumulate else r.retained is not None)]
+
+    def norm(self, norm_type: float) -> float:
+        """Total norm of the window's gradients times the window's factor."""
+        if norm_type not in self._norms:
+            recs = self.window_records()
+            if self.accumulate:
+                local = [float(torch.linalg.vector_norm(r.accum, norm_type)) for r in recs]
+            elif recs:
+                local = torch.stack([torch.linalg.vector_norm(r.retained, norm_type, dtype=torch.float32)
+                                     for r in recs]).tolist()
+            else:
+                local = []
+            self._norms[norm_type] = total_norm(list(zip(recs, local)), norm_type)
+        return self.scale * self._norms[norm_type]
+
+    def clip(self, max_norm: float, norm_type: float, *, error_if_nonfinite: bool = False) -> float:
+        """torch.nn.utils.clip_grad_norm_ on the window: returns the total norm and
+        multiplies the window's factor by the clipping coefficient."""
+        total = self.norm(norm_type)
+        if error_if_nonfinite and not math.isfinite(total):
+            raise RuntimeError(
+                f"the total norm of order {norm_type} of the gradients is non-finite ({total}), so they cannot be "
+                "clipped; with error_if_nonfinite=False this step would be skipped (skip_nonfinite) instead")
+        self.grad_norm, self.clip_coef = total, clip_coefficient(max_norm, total)
+        if math.isfinite(total):
+            self.scale *= self.clip_coef
+        return total
+
+    def rescale(self, factor: float) -> None:
+        self.scale *= factor
+
+    # ------------------------------------------------------- after the last pass
+    def after_final_pass(self) -> None:
+        """The window's last pass has drained: skip, clip or keep the speculative step."""
+        if not self.tracking:
+            return
+        recs = self.window_records()
+        local = [(r, math.sqrt(r.grad_sq)) for r in recs]
+        if self.pipeline.nonfinite and local and all(math.isfinite(n) for _, n in local):
+            local.append((recs[0], math.nan))  # a chunk stopped before its norms were all read
+        self._norms[2.0] = n = total_norm(local, 2.0)
+        self.grad_norm = self.scale * n
+        if not math.isfinite(n):
+            if self.skip_nonfinite:
+                self._skip()
+            return
+        if self.max_grad_norm is not None:
+            self.clip(self.max_grad_norm, 2.0)
+            self.apply()
+
+    def apply(self) -> None:
+        """Make the applied update match the window's factor (a rollback and a redo
+        when it changed). NOTE: SignSGD's update sign(c*g) = sign(g) for c > 0: never redone."""
+        stepped = self.pipeline.stepped
+        if self.skipped or self.algorithm == "sign_sgd" or not stepped:
+            return
+        if all(hp["grad_scale"] == self.scale for *_, hp in stepped):
+            return
+        hparams = [dict(hp, grad_scale=self.scale) for hp in self.pipeline.hparams]
+        recs = self._rollback(stepped)
+        self.pipeline.reset_window()
+        for rec in recs:
+            rec.grad_sq = 0.0
+        self.pipeline.begin_backward(micro=0, final=True, hparams=hparams)
+        if self.accumulate:
+            self.pipeline.stage_from_host(recs)
+        else:
+            for rec in recs:
+                self.pipeline.stage_grad(rec, rec.retained, add=False)
+        self.pipeline.drain()
+        self.transfer.compute_waits_for_h2d()
+        self.pipeline.raise_error()
+        note_versions(recs)
+
+    def _skip(self) -> None:
+        recs = self._rollback(self.pipeline.stepped)
+        with torch.no_grad():
+            for rec in recs:  # the device got the rolled-back step's weights: send the old ones
+                rec.local().detach().view(-1).copy_(rec.master)
+        note_versions(recs)
+        self.skipped = True
+        self.skipped_steps += 1
+        now = time.monotonic()
+        if now - self._warned_at >= _WARN_EVERY_S:
+            self._warned_at = now
+            warnings.warn(f"cpu_offload: optimizer step skipped: a gradient was NaN or Inf ({self.skipped_steps} "
+                          "skipped since construction; this warning repeats at most once a minute)",
+                          RuntimeWarning, stacklevel=self._stacklevel())
+
+    def _rollback(self, stepped: list) -> list:
+        """Undo every stepped piece; returns their records (step counts restored)."""
+        host_grads: dict = {}
+        recs: dict = {}
+        with torch.no_grad():
+            for rec, start, numel, step, hp in stepped:
+                piece = slice(start, start + numel)
+                if self.accumulate:
+                    grad = rec.accum[piece]
+                else:
+                    if id(rec) not in host_grads:
+                        host_grads[id(rec)] = rec.retained.to("cpu")
+                    grad = host_grads[id(rec)][piece]
+                if self.algorithm == "adamw":
+                    rollback_adamw_(rec.master[piece], grad, rec.exp_avg[piece], rec.exp_avg_sq[piece], step,
+                                    lr=hp["lr"], beta1=hp["beta1"], beta2=hp["beta2"], eps=hp["eps"],
+                                    weight_decay=hp["weight_decay"], grad_scale=hp["grad_scale"])
+                else:
+                    rollback_sign_sgd_(rec.master[piece], grad, lr=hp["lr"], weight_decay=hp["weight_decay"])
+                recs[id(rec)] = rec
+        for rec in recs.values():
+            if rec.pieces_total and rec.pieces_done == rec.pieces_total:
+                rec.step -= 1  # it was counted
+            rec.pieces_done = 0
+        return list(recs.values())

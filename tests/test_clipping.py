@@ -1,0 +1,228 @@
+# Gradient clipping and the non-finite guard of full offload (CPU parameters):
+# clipped steps against torch.nn.utils.clip_grad_norm_ + torch.optim.AdamW fed
+# the same gradients, unclipped steps bit-identical to no clipping, skipped steps
+# (NaN loss: bit-identical; Inf in one parameter: rolled back, finite, close),
+# error_if_nonfinite, SignSGD, the max_grad_norm option.
+import math
+import warnings
+
+import pytest
+import torch
+import torch.nn as nn
+
+from cpu_offload.full_offload import FullCPUOffloadOptimizer
+from test_full_offload import SMALL, batches, build, capture
+
+STEPS = 20
+LOSS_SCALES = [0.5, 2.0, 1.0, 3.0, 0.3, 1.5]  # varies the norm so that some steps clip and others do not
+# Norms up to 50x max_norm: the rollback's documented bound for the second moment
+# (its error grows like 2**-24 / clip_coef**2 on a heavily clipped step) applies.
+HEAVY_LOSS_SCALES = [0.3, 4.0, 1.0, 12.0, 0.1, 2.5]
+
+
+def normwise(a, b):
+    return float((a - b).norm() / b.norm().clamp_min(1e-30))
+
+
+def train(kind, k, steps, *, clip=None, loss_scale=lambda s: LOSS_SCALES[s % len(LOSS_SCALES)], **opts):
+    """Full offload with ``clip_grad_norm_(clip)`` before each step; returns the
+    model, the wrapper, the initial weights, the captured grads and the norms."""
+    model, opt = build(kind)
+    init = {n: p.detach().clone() for n, p in model.named_parameters()}
+    grads = capture(model)
+    off = FullCPUOffloadOptimizer(opt, grad_accum_steps=k, **SMALL, **opts)
+    history, norms = [], []
+    for s in range(steps):
+        grads.clear()
+        for x, extra in batches(s, k):
+            (model(x.to(torch.bfloat16), use_extra=extra).float().pow(2).mean() * loss_scale(s)).backward()
+        if clip is not None:
+            norms.append(off.clip_grad_norm_(clip))
+        off.step()
+        off.zero_grad()
+        history.append({n: sum(g[1:], g[0].clone()) for n, g in grads.items()})
+    return model, off, init, history, norms
+
+
+def torch_replay(kind, init, history, clip):
+    """torch.optim.AdamW on fp32 copies, clipped by torch.nn.utils.clip_grad_norm_."""
+    model, opt = build(kind)
+    params = {n: nn.Parameter(init[n].float().clone()) for n, _ in model.named_parameters()}
+    by_id = {id(p): n for n, p in model.named_parameters()}
+    groups = [{**{k: v for k, v in g.items() if k != "params"},
+               "params": [params[by_id[id(p)]] for p in g["params"] if p.requires_grad]} for g in opt.param_groups]
+    ref = type(opt)(groups, lr=groups[0]["lr"])
+    norms = []
+    for grads in history:
+        for n, p in params.items():
+            p.grad = grads[n].clone() if n in grads else None
+        with_grad = [p for p in params.values() if p.grad is not None]
+        norms.append(torch.nn.utils.clip_grad_norm_(with_grad, clip))
+        ref.step()
+    return params, ref, norms
+
+
+@pytest.mark.parametrize("scales, clip, v_tol", [(LOSS_SCALES, 0.25, 1e-5), (HEAVY_LOSS_SCALES, 0.5, 3e-5)])
+@pytest.mark.parametrize("k", [1, 2])
+def test_clipped_steps_match_torch(k, scales, clip, v_tol):
+    model, off, init, history, norms = train("adamw", k, STEPS, clip=clip, loss_scale=lambda s: scales[s % len(scales)])
+    params, ref, ref_norms = torch_replay("adamw", init, history, clip)
+    clipped = sum(float(n) > clip for n in ref_norms)
+    assert 3 <= clipped <= STEPS - 3  # clipping active on some steps and not on others
+    for ours, theirs in zip(norms, ref_norms):
+        assert ours.dtype == torch.float32 and ours.dim() == 0
+        assert abs(float(ours) - float(theirs)) <= 1e-6 * float(theirs)
+    by_id = {id(p): n for n, p in model.named_parameters()}
+    for rec in off._records:
+        n = by_id[id(rec.param)]
+        st = ref.state[params[n]]
+        assert normwise(rec.master.view(rec.shape), params[n].detach()) < 1e-5, n
+        if "exp_avg" in st:
+            assert normwise(rec.exp_avg.view(rec.shape), st["exp_avg"]) < 1e-5, n
+            assert normwise(rec.exp_avg_sq.view(rec.shape), st["exp_avg_sq"]) < v_tol, n
+        assert torch.equal(rec.param.detach(), rec.master.view(rec.shape).to(torch.bfloat16)), n
+    assert off.stats()["clip_coef"] is not None and off.stats()["skipped_steps"] == 0
+
+
+@pytest.mark.parametrize("kind", ["adamw", "sign_sgd"])
+@pytest.mark.parametrize("k", [1, 2])
+def test_steps_that_do_not_clip_are_bit_identical(kind, k):
+    plain = train(kind, k, 6, skip_nonfinite=False)[1]
+    clipped = train(kind, k, 6, clip=1e6)[1]  # never clips; guard on (the default)
+    option = train(kind, k, 6, max_grad_norm=1e6)[1]
+    for a, b, c in zip(plain._records, clipped._records, option._records):
+        assert torch.equal(a.master, b.master) and torch.equal(a.master, c.master), a.name
+        assert a.step == b.step == c.step
+        if kind == "adamw":
+            assert torch.equal(a.exp_avg_sq, b.exp_avg_sq) and torch.equal(a.exp_avg_sq, c.exp_avg_sq)
+
+
+@pytest.mark.parametrize("k", [1, 2])
+def test_max_grad_norm_option_equals_the_call(k):
+    called = train("adamw", k, 8, clip=0.5)[1]
+    option = train("adamw", k, 8, max_grad_norm=0.5)[1]
+    for a, b in zip(called._records, option._records):
+        assert torch.equal(a.master, b.master) and torch.equal(a.exp_avg, b.exp_avg), a.name
+    assert option.stats()["grad_norm"] is not None
+
+
+def test_sign_sgd_clipping_returns_torch_norm_and_changes_no_update():
+    model, off, init, history, norms = train("sign_sgd", 1, 6, clip=0.5)
+    _, _, ref_norms = torch_replay("sign_sgd", init, history, 0.5)
+    for ours, theirs in zip(norms, ref_norms):
+        assert abs(float(ours) - float(theirs)) <= 1e-6 * float(theirs)
+    plain = train("sign_sgd", 1, 6)[1]
+    for a, b in zip(off._records, plain._records):
+        assert torch.equal(a.master, b.master), a.name
+
+
+def snapshot(off):
+    return {r.name: (r.master.clone(), r.exp_avg.clone(), r.exp_avg_sq.clone(), r.step) for r in off._records}
+
+
+def train_step(model, off, s, k, *, loss_factor=1.0):
+    for x, extra in batches(s, k):
+        (model(x.to(torch.bfloat16), use_extra=extra).float().pow(2).mean() * loss_factor).backward()
+
+
+def check_unchanged(off, before, weights):
+    for r in off._records:
+        m, ea, eas, st = before[r.name]
+        assert torch.equal(r.master, m) and torch.equal(r.exp_avg, ea) and torch.equal(r.exp_avg_sq, eas), r.name
+        assert r.step == st and torch.equal(r.param.detach(), weights[r.name]), r.name
+
+
+@pytest.mark.parametrize("k", [1, 2])
+def test_nan_loss_skips_the_step_bit_identically(k):
+    model, opt = build("adamw")
+    off = FullCPUOffloadOptimizer(opt, grad_accum_steps=k, **SMALL)
+    for s in range(4):
+        before = snapshot(off)
+        weights = {r.name: r.param.detach().clone() for r in off._records}
+        if s == 2:
+            with pytest.warns(RuntimeWarning, match="step skipped"):  # decided when the last backward ends
+                train_step(model, off, s, k, loss_factor=math.nan)
+            check_unchanged(off, before, weights)
+            off.step()
+            check_unchanged(off, before, weights)
+            assert off.stats()["skipped"] and off.stats()["skipped_steps"] == 1
+            assert math.isnan(off.stats()["grad_norm"])
+        else:
+            train_step(model, off, s, k)
+            off.step()
+        off.zero_grad()
+    assert off.stats()["skipped_steps"] == 1 and not off.stats()["skipped"]
+    assert all(torch.isfinite(r.master).all() for r in off._records)
+
+
+@pytest.mark.parametrize("k", [1, 2])
+def test_inf_in_one_gradient_rolls_back_what_was_stepped(k):
+    model, opt = build("adamw")
+    off = FullCPUOffloadOptimizer(opt, grad_accum_steps=k, **SMALL)
+    # l1's gradient arrives last (backward runs in reverse), after head and l2 were stepped
+    armed = []
+    model.l1.weight.register_hook(lambda g: g.index_fill(1, torch.tensor([3]), math.inf) if armed else g)
+    rolled_back = []
+    real = off._validator._rollback
+    off._validator._rollback = lambda stepped: rolled_back.append(len(stepped)) or real(stepped)
+    for s in range(3):
+        armed[:] = [True] if s == 1 else []
+        before = snapshot(off)
+        if s == 1:
+            with pytest.warns(RuntimeWarning, match="step skipped"):
+                train_step(model, off, s, k)
+            assert rolled_back and rolled_back[0] > 0  # some pieces really were stepped first
+            for r in off._records:
+                m, ea, eas, st = before[r.name]
+                assert r.step == st, r.name
+                for now, then in ((r.master, m), (r.exp_avg, ea), (r.exp_avg_sq, eas)):
+                    assert torch.isfinite(now).all(), r.name
+                    # the documented bound: about one ulp of the values (moments: of their terms)
+                    torch.testing.assert_close(now, then, rtol=1e-6, atol=1e-9, msg=r.name)
+                assert torch.equal(r.param.detach(), r.master.view(r.shape).to(torch.bfloat16)), r.name
+        else:
+            train_step(model, off, s, k)
+        off.step()
+        off.zero_grad()
+    assert off.stats()["skipped_steps"] == 1
+
+
+def test_error_if_nonfinite_raises_like_torch():
+    model, opt = build("adamw")
+    off = FullCPUOffloadOptimizer(opt, **SMALL)
+    x, extra = batches(0, 1)[0]
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        (model(x.to(torch.bfloat16), use_extra=extra).float().pow(2).mean() * math.inf).backward()
+    with pytest.raises(RuntimeError, match="non-finite"):
+        off.clip_grad_norm_(1.0, error_if_nonfinite=True)
+    assert math.isnan(float(off.clip_grad_norm_(1.0)))  # torch returns the non-finite norm too
+    off.step()
+    assert off.stats()["skipped_steps"] == 1
+
+
+def test_inf_norm_and_idle_and_bad_arguments():
+    model, off, init, history, norms = train("adamw", 1, 1)
+    x, extra = batches(5, 1)[0]
+    model(x.to(torch.bfloat16), use_extra=extra).float().pow(2).mean().backward()
+    grads = [g for g in off._validator.window_records()]
+    expected = max(float(r.retained.float().abs().max()) for r in grads)
+    assert float(off.clip_grad_norm_(1e9, norm_type=math.inf)) == expected
+    with pytest.raises(ValueError, match="norm_type"):
+        off.clip_grad_norm_(1.0, norm_type=-1)
+    off.step()
+    assert float(off.clip_grad_norm_(1.0)) == 0.0  # no gradients since the step, as torch
+    with pytest.raises(ValueError, match="max_grad_norm"):
+        FullCPUOffloadOptimizer(build("adamw")[1], max_grad_norm=-1.0)
+    with pytest.raises(TypeError, match="skip_nonfinite"):
+        FullCPUOffloadOptimizer(build("adamw")[1], skip_nonfinite="yes")
+
+
+def test_skip_nonfinite_false_gives_torch_behaviour():
+    model, opt = build("adamw")
+    off = FullCPUOffloadOptimizer(opt, skip_nonfinite=False, **SMALL)
+    x, extra = batches(0, 1)[0]
+    (model(x.to(torch.bfloat16), use_extra=extra).float().pow(2).mean() * math.nan).backward()
+    off.step()
+    assert off.stats()["skipped_steps"] == 0
+    assert torch.isnan(off._records[0].master).any()  # like torch.optim.AdamW fed NaN gradients
