@@ -20,7 +20,7 @@ OFFLOAD_MODES = ("optimizer", "full", "none")
 # Keyword options each mode accepts (beyond grad_accum_steps, accepted by all).
 _OPTIONS = {
     "none": (),
-    "optimizer": ("pin_memory",),
+    "optimizer": ("pin_memory", "prefetch_bytes"),
     "full": ("compute_dtype", "keep_fp32", "pinned_bytes", "num_slots", "timeout_s", "sysfs_root"),
 }
 # Keywords people write for the mode itself.
@@ -56,8 +56,9 @@ def offload_optimizer(optimizer: torch.optim.Optimizer, offload: str = "optimize
             cpu_offload.SignSGD only; the model's parameters become bf16, so
             run the forward under ``torch.autocast`` or feed bf16 inputs);
             ``"none"``: the optimizer, unchanged.
-        grad_accum_steps: backward passes per step (all modes; only ``"full"``
-            needs it, the others accumulate in ``param.grad`` as usual).
+        grad_accum_steps: backward passes per step (all modes; ``"full"``
+            needs it, ``"optimizer"`` starts its copies of the state during the
+            last one).
         **options: mode-specific keywords, see FullCPUOffloadOptimizer and
             StateOffloadOptimizer.
     """
@@ -73,5 +74,5 @@ def offload_optimizer(optimizer: torch.optim.Optimizer, offload: str = "optimize
     if offload == "none":
         return optimizer
     if offload == "optimizer":
-        return StateOffloadOptimizer(optimizer, **options)
+        return StateOffloadOptimizer(optimizer, grad_accum_steps=grad_accum_steps, **options)
     return FullCPUOffloadOptimizer(optimizer, grad_accum_steps=grad_accum_steps, **options)
