@@ -42,12 +42,14 @@ class StateOffloadOptimizer(torch.optim.Optimizer):
             backward and not yet stepped; beyond it ``step()`` copies the rest.
             ``None`` (default): no cap; 0: no prefetch.
         grad_accum_steps: backward passes per ``step()``; the copy-in of a
-            parameter's state starts with its gradient of the last one (a
+            parameter's state starts with its gradient in the last one (a
             shorter window is fine: ``step()`` copies in what is missing).
+            ``None`` (default): the most backward passes completed between two
+            steps so far, so nothing is prefetched before the first ``step()``.
     """
 
     def __init__(self, optimizer: torch.optim.Optimizer, *, pin_memory=None, prefetch_bytes=None,
-                 grad_accum_steps: int = 1) -> None:
+                 grad_accum_steps=None) -> None:
         if not isinstance(optimizer, torch.optim.Optimizer):
             raise TypeError(f"optimizer must be a torch.optim.Optimizer, got {type(optimizer).__name__}")
         if pin_memory is not None and not isinstance(pin_memory, bool):
@@ -59,8 +61,9 @@ class StateOffloadOptimizer(torch.optim.Optimizer):
         if prefetch_bytes is not None and (isinstance(prefetch_bytes, bool) or not isinstance(prefetch_bytes, int)
                                            or prefetch_bytes < 0):
             raise ValueError(f"prefetch_bytes must be None (no cap) or an int >= 0, got {prefetch_bytes!r}")
-        if isinstance(grad_accum_steps, bool) or not isinstance(grad_accum_steps, int) or grad_accum_steps < 1:
-            raise ValueError(f"grad_accum_steps must be an int >= 1, got {grad_accum_steps!r}")
+        if grad_accum_steps is not None and (isinstance(grad_accum_steps, bool) or not isinstance(grad_accum_steps, int)
+                                             or grad_accum_steps < 1):
+            raise ValueError(f"grad_accum_steps must be None or an int >= 1, got {grad_accum_steps!r}")
         adopt_optimizer(self, optimizer)
         self.pin_memory = torch.cuda.is_available() if pin_memory is None else pin_memory
         # NOTE: every mutable thing lives inside this one object, never in a

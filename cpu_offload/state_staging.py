@@ -23,6 +23,7 @@ import weakref
 
 import torch
 
+from cpu_offload.backward_tracking import watch_backward
 from cpu_offload.dtensor import as_dtensor_like, local_of
 from cpu_offload.state_copies import make_state_copies
 
@@ -55,8 +56,10 @@ class StateStaging:
         pin: page-lock the host buffers.
         prefetch_bytes: cap on the bytes copied in during backward and not yet
             stepped; ``None``: no cap (all of it may be).
-        grad_accum_steps: backward passes per step; the copy-in of a parameter's
-            state starts with its gradient of the last one.
+        grad_accum_steps: backward passes per step, or ``None``: the most seen
+            in one window so far (nothing is prefetched before one window was
+            seen). The copy-in of a parameter's state starts with its gradient
+            in the window's last backward.
     """
 
     def __init__(self, optimizer: torch.optim.Optimizer, *, pin: bool, prefetch_bytes, grad_accum_steps: int):
@@ -70,7 +73,10 @@ class StateStaging:
         self.prefetched: dict = {}  # id(param) -> {key: (host tensor, device copy)}
         self.staged_bytes = 0  # bytes in ``prefetched``
         self.prefetch_failed = False  # a prefetch ran out of device memory: none until the next step
-        self.backward_calls: dict = {}  # id(param) -> gradient hooks since the last step
+        self.window = 0  # the most backward passes completed between two steps so far
+        self.completed = 0  # backward passes completed since the last step (or zero_grad)
+        self.watching = False  # the end of the running backward is being watched
+        self.arrived: set = set()  # id(param) of every gradient since the last step
         self.arrival: list = []  # parameters in the order their first gradient arrived
         self.h2d_bytes = 0  # since the last step, prefetches included
         self.timing = None  # the last step's timing events around the wait for copy-ins
@@ -97,14 +103,29 @@ class StateStaging:
     def grad_ready(self, p: torch.Tensor) -> None:
         """Gradient hook: prefetch ``p``'s state during the window's last backward."""
         with self.lock:
-            calls = self.backward_calls.get(id(p), 0) + 1
-            self.backward_calls[id(p)] = calls
-            if calls == 1:
+            if not self.watching:  # the first gradient of this backward
+                self.watching = True
+                watch_backward(self._backward_ended, self._backward_died)
+            if id(p) not in self.arrived:
+                self.arrived.add(id(p))
                 self.arrival.append(p)
-            # NOTE: once per step: later backward passes (more than
-            # grad_accum_steps, or one rerun after an exception) find it staged.
-            if calls >= self.grad_accum_steps and id(p) not in self.prefetched and not self.prefetch_failed:
+            # NOTE: a prefetch before the window's last backward would hold the
+            # state on the device through the remaining forward passes, at
+            # their activation peak; and once per step: a later backward (one
+            # more than expected, a rerun after an exception) finds it staged.
+            last = max(self.grad_accum_steps or 0, self.window)
+            if (last and self.completed + 1 >= last and id(p) not in self.prefetched
+                    and not self.prefetch_failed):
                 self._prefetch(p)
+
+    def _backward_ended(self) -> None:
+        self.completed += 1
+        self.watching = False
+
+    def _backward_died(self) -> None:
+        # NOTE: may run on another thread, during garbage collection: it only
+        # records the fact (a backward that raised does not count).
+        self.watching = False
 
     def _entries(self, p: torch.Tensor) -> list:
         """(key, value, host buffer) for each state tensor of ``p`` now in a host buffer."""
@@ -154,7 +175,8 @@ class StateStaging:
     def reset_window(self) -> None:
         """zero_grad(): the next backward starts a new accumulation window."""
         with self.lock:
-            self.backward_calls.clear()
+            self.completed = 0
+            self.arrived.clear()
             self.arrival.clear()
             self.prefetch_failed = False
 
@@ -173,7 +195,9 @@ class StateStaging:
                 d2h = self._copy_out()
                 self.prefetched.clear()
                 self.staged_bytes = 0
-                self.backward_calls.clear()
+                self.window = max(self.window, self.completed)
+                self.completed = 0
+                self.arrived.clear()
                 self.arrival.clear()
                 self.prefetch_failed = False
                 h2d, self.h2d_bytes = self.h2d_bytes + copied, 0
@@ -184,8 +208,7 @@ class StateStaging:
 
     def _params(self) -> list:
         """Every parameter, in the order gradients arrived, then the others."""
-        seen = {id(p) for p in self.arrival}
-        rest = [p for g in self.optimizer.param_groups for p in g["params"] if id(p) not in seen]
+        rest = [p for g in self.optimizer.param_groups for p in g["params"] if id(p) not in self.arrived]
         return self.arrival + rest
 
     def _bring_in(self) -> tuple:

@@ -150,14 +150,54 @@ def test_accumulation_copies_each_state_once(kind, accum, declared):
         assert stats["prefetched_bytes"] == 0 and stats["step_copied_bytes"] == stats["h2d_bytes"]
 
 
+def prefetched_after_each_backward(model, opt, step, accum):
+    """How many parameters' state had been copied in after each backward of one window."""
+    counts = []
+    for m in range(accum):
+        backward(model, step, m)
+        counts.append(len(opt._staging.prefetched))
+    opt.step()
+    opt.zero_grad()
+    return counts
+
+
 def test_prefetch_starts_with_the_last_backward_of_the_window():
     _, _, model, opt = pair("adamw", grad_accum_steps=2)
     train(model, opt, range(1), accum=2)
-    backward(model, 1, 0)
-    assert opt._staging.prefetched == {}
-    backward(model, 1, 1)
-    assert set(opt._staging.prefetched) == {id(p) for p in [model.a.weight, model.a.bias, model.b.weight,
-                                                             model.b.bias]}
+    assert prefetched_after_each_backward(model, opt, 1, 2) == [0, 4]
+
+
+def test_window_length_is_learned_when_not_given():
+    """Without grad_accum_steps, the longest window completed so far: nothing is
+    prefetched in the first window, a short window is copied in by step(), and
+    a backward that raised does not count."""
+    m1, plain, model, opt = pair("adamw")
+    assert prefetched_after_each_backward(model, opt, 0, 3) == [0, 0, 0]
+    assert prefetched_after_each_backward(model, opt, 1, 3) == [0, 0, 4]
+    assert prefetched_after_each_backward(model, opt, 2, 2) == [0, 0]  # a short last window
+    assert opt.stats()["step_copied_bytes"] == opt.stats()["h2d_bytes"] > 0
+    Boom.armed = True
+    try:
+        with pytest.raises(RuntimeError, match="boom"):
+            backward(model, 3, 0)
+    finally:
+        Boom.armed = False
+    assert opt._staging.completed == 0
+    assert prefetched_after_each_backward(model, opt, 3, 3) == [0, 0, 4]
+    assert opt._staging.window == 3
+    for s, accum in enumerate([3, 3, 2, 3]):
+        if s == 3:  # b's gradients of the backward that raised stay in b.grad
+            Boom.armed = True
+            try:
+                with pytest.raises(RuntimeError, match="boom"):
+                    backward(m1, 3, 0)
+            finally:
+                Boom.armed = False
+        for m in range(accum):
+            backward(m1, s, m)
+        plain.step()
+        plain.zero_grad()
+    assert_same(m1, plain, model, opt)
 
 
 B_STATE = (16 * 4 + 4) * 2 * 4  # AdamW's two fp32 moments of layer b, whose gradients come first
@@ -299,7 +339,7 @@ def test_options_are_checked():
         with pytest.raises(ValueError, match="prefetch_bytes must be None"):
             StateOffloadOptimizer(torch.optim.SGD(Net().parameters(), lr=1.0), prefetch_bytes=bad)
     for bad in (0, 2.0, False):
-        with pytest.raises(ValueError, match="grad_accum_steps must be an int >= 1"):
+        with pytest.raises(ValueError, match="grad_accum_steps must be None or an int >= 1"):
             StateOffloadOptimizer(torch.optim.SGD(Net().parameters(), lr=1.0), grad_accum_steps=bad)
     opt = offload_optimizer(torch.optim.SGD(Net().parameters(), lr=1.0), grad_accum_steps=3, prefetch_bytes=0)
     assert opt._staging.grad_accum_steps == 3 and opt._staging.prefetch_bytes == 0
