@@ -13,6 +13,7 @@
 #     backward, the optimizer's own kernels, the H2D or the D2H stream) still
 #     equal the unwrapped run bit for bit.
 # Run: python -m pytest -q -m gpu tests/test_gpu_state_offload.py
+import gc
 import socket
 
 import pytest
@@ -162,9 +163,12 @@ def test_fsdp2_one_rank_bitwise_equal_to_no_offload(single_rank_group):
 
 
 def _peak(wrap, rows, **options):
-    """Peak allocated GPU memory over steps 3-5 (the first steps create the state)."""
+    """Peak allocated GPU memory over steps 3-5 (the first steps create the state),
+    counted from what was allocated before the model was built."""
+    gc.collect()
     torch.cuda.synchronize()
     torch.cuda.empty_cache()
+    base = torch.cuda.memory_allocated()
     d = 1024
     model, opt = make("adamw", wrap=wrap, d=d, blocks=4, **options)
     train(model, opt, range(2), d=d, rows=rows)
@@ -172,7 +176,7 @@ def _peak(wrap, rows, **options):
     torch.cuda.reset_peak_memory_stats()
     train(model, opt, range(2, 5), d=d, rows=rows)
     torch.cuda.synchronize()
-    peak, reserved = torch.cuda.max_memory_allocated(), torch.cuda.max_memory_reserved()
+    peak, reserved = torch.cuda.max_memory_allocated() - base, torch.cuda.max_memory_reserved()
     state = sum(2 * p.numel() * 4 for n, p in model.named_parameters() if not n.startswith("unused"))
     del model, opt
     return peak, reserved, state
