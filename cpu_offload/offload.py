@@ -20,7 +20,7 @@ OFFLOAD_MODES = ("optimizer", "full", "none")
 # Keyword options each mode accepts (beyond grad_accum_steps, accepted by all).
 _OPTIONS = {
     "none": (),
-    "optimizer": ("pin_memory",),
+    "optimizer": ("pin_memory", "prefetch_bytes"),
     "full": ("compute_dtype", "keep_fp32", "pinned_bytes", "num_slots", "timeout_s", "sysfs_root", "max_grad_norm",
              "skip_nonfinite"),
 }
@@ -57,8 +57,9 @@ def offload_optimizer(optimizer: torch.optim.Optimizer, offload: str = "optimize
             cpu_offload.SignSGD only; the model's parameters become bf16, so
             run the forward under ``torch.autocast`` or feed bf16 inputs);
             ``"none"``: the optimizer, unchanged.
-        grad_accum_steps: backward passes per step (all modes; only ``"full"``
-            needs it, the others accumulate in ``param.grad`` as usual).
+        grad_accum_steps: backward passes per step (all modes; ``"full"``
+            needs it (default 1), ``"optimizer"`` starts its copies of the state
+            during the last one (default: the longest window seen so far)).
         **options: mode-specific keywords, see FullCPUOffloadOptimizer and
             StateOffloadOptimizer.
     """
@@ -66,13 +67,14 @@ def offload_optimizer(optimizer: torch.optim.Optimizer, offload: str = "optimize
         raise ValueError(f"offload must be one of {', '.join(repr(m) for m in OFFLOAD_MODES)}; got {offload!r}")
     if not isinstance(optimizer, torch.optim.Optimizer):
         raise TypeError(f"optimizer must be a torch.optim.Optimizer, got {type(optimizer).__name__}")
-    grad_accum_steps = options.pop("grad_accum_steps", 1)
-    if isinstance(grad_accum_steps, bool) or not isinstance(grad_accum_steps, int) or grad_accum_steps < 1:
+    grad_accum_steps = options.pop("grad_accum_steps", None)
+    if grad_accum_steps is not None and (isinstance(grad_accum_steps, bool) or not isinstance(grad_accum_steps, int)
+                                         or grad_accum_steps < 1):
         raise ValueError(f"grad_accum_steps must be an int >= 1, got {grad_accum_steps!r}")
     if set(options) - set(_OPTIONS[offload]):
         raise TypeError(_unknown_keywords(offload, options))
     if offload == "none":
         return optimizer
     if offload == "optimizer":
-        return StateOffloadOptimizer(optimizer, **options)
-    return FullCPUOffloadOptimizer(optimizer, grad_accum_steps=grad_accum_steps, **options)
+        return StateOffloadOptimizer(optimizer, grad_accum_steps=grad_accum_steps, **options)
+    return FullCPUOffloadOptimizer(optimizer, grad_accum_steps=grad_accum_steps or 1, **options)

@@ -1,19 +1,22 @@
 # The "optimizer" offload mode: the wrapped optimizer's state tensors (AdamW's
 # moments, ...) live in pinned host RAM between steps and visit the device only
-# for step(). Weights and gradients stay on the device, so everything that
+# around step(). Weights and gradients stay on the device, so everything that
 # reads ``param.grad`` (clipping, logging) keeps working.
 #
-# Scope: moving state tensors host <-> device around the wrapped optimizer's
-# own step(); state_dict / load_state_dict that keep the state on the host,
-# run the hooks registered on the wrapper and keep param_groups shared.
+# Scope: the torch.optim.Optimizer surface of the mode: options, step() around
+# the wrapped optimizer's own step, state / state_dict / load_state_dict that
+# wait for the copies, keep the state on the host, run the hooks registered on
+# the wrapper and keep param_groups shared, stats().
 # Non-goals: running the optimizer on the CPU (that is offload="full"),
 # splitting one step into pieces to cap the device memory of the step itself.
+# The copies themselves, and their overlap with backward and the next forward,
+# are state_staging.py's (what and when) and state_copies.py's (streams, events).
 
 from __future__ import annotations
 
 import torch
 
-from cpu_offload.dtensor import as_dtensor_like, local_of
+from cpu_offload.state_staging import StateStaging
 from cpu_offload.wrapping import adopt_optimizer, load_state_dict_with_hooks, state_dict_with_hooks
 
 __all__ = ["StateOffloadOptimizer"]
@@ -23,18 +26,30 @@ class StateOffloadOptimizer(torch.optim.Optimizer):
     """Keeps a torch optimizer's state in host RAM between steps.
 
     Any ``torch.optim.Optimizer`` works: its ``step()`` runs unchanged on the
-    device, after the state tensors were copied in; afterwards they are copied
-    back into host buffers (pinned when CUDA is available, allocated once at
-    the first step) and the device copies are freed. With CPU parameters the
-    same copies run between two host tensors (that is how it is tested).
+    device. Each parameter's state is copied in on a side stream while backward
+    still runs, as soon as the parameter's gradient is final (up to
+    ``prefetch_bytes``); ``step()`` copies in the rest, runs the wrapped step,
+    and starts the copies back into the host buffers (pinned when CUDA is
+    available, allocated once at the first step), which overlap whatever comes
+    next; each device copy is freed once its copy-out has completed. With CPU
+    parameters the same logic runs with plain synchronous copies.
 
     Args:
         optimizer: the optimizer to wrap (its ``param_groups`` and ``state`` are shared).
         pin_memory: page-lock the host buffers (default: when CUDA is available;
             True without CUDA is a ValueError).
+        prefetch_bytes: cap on the device bytes of state copied in during
+            backward and not yet stepped; beyond it ``step()`` copies the rest.
+            ``None`` (default): no cap; 0: no prefetch.
+        grad_accum_steps: backward passes per ``step()``; the copy-in of a
+            parameter's state starts with its gradient in the last one (a
+            shorter window is fine: ``step()`` copies in what is missing).
+            ``None`` (default): the most backward passes completed between two
+            steps so far, so nothing is prefetched before the first ``step()``.
     """
 
-    def __init__(self, optimizer: torch.optim.Optimizer, *, pin_memory=None) -> None:
+    def __init__(self, optimizer: torch.optim.Optimizer, *, pin_memory=None, prefetch_bytes=None,
+                 grad_accum_steps=None) -> None:
         if not isinstance(optimizer, torch.optim.Optimizer):
             raise TypeError(f"optimizer must be a torch.optim.Optimizer, got {type(optimizer).__name__}")
         if pin_memory is not None and not isinstance(pin_memory, bool):
@@ -43,77 +58,57 @@ class StateOffloadOptimizer(torch.optim.Optimizer):
             raise ValueError("pin_memory=True needs CUDA (pinned host memory is allocated through the CUDA driver) "
                              "and torch.cuda.is_available() is False: leave pin_memory unset (it pins only when "
                              "CUDA is available) or pass pin_memory=False")
+        if prefetch_bytes is not None and (isinstance(prefetch_bytes, bool) or not isinstance(prefetch_bytes, int)
+                                           or prefetch_bytes < 0):
+            raise ValueError(f"prefetch_bytes must be None (no cap) or an int >= 0, got {prefetch_bytes!r}")
+        if grad_accum_steps is not None and (isinstance(grad_accum_steps, bool) or not isinstance(grad_accum_steps, int)
+                                             or grad_accum_steps < 1):
+            raise ValueError(f"grad_accum_steps must be None or an int >= 1, got {grad_accum_steps!r}")
         adopt_optimizer(self, optimizer)
         self.pin_memory = torch.cuda.is_available() if pin_memory is None else pin_memory
-        self._host: dict = {}  # (id(param), key) -> host tensor (the local shard for DTensors)
-        # NOTE: a list mutated in place, never rebound: Lightning's optimizer proxy
-        # runs these methods with itself as ``self`` and reads missing attributes
-        # from the wrapper, so a rebound flag would land on the proxy.
-        self._unwaited: list = []  # CUDA events recorded after D2H copies into the host buffers
+        # NOTE: every mutable thing lives inside this one object, never in a
+        # rebound attribute: Lightning's optimizer proxy runs these methods with
+        # itself as ``self`` and reads missing attributes from the wrapper, so a
+        # rebound attribute would land on the proxy only.
+        self._staging = StateStaging(optimizer, pin=self.pin_memory, prefetch_bytes=prefetch_bytes,
+                                     grad_accum_steps=grad_accum_steps)
+        self._staging.hook_params()
 
     @property
     def state(self):
         """The wrapped optimizer's state; between steps its tensors are the host buffers."""
-        self._wait()  # the last step's copies into them may still be running
+        self._staging.wait()  # the last step's copies into them may still be running
+        # NOTE: the caller may edit the host tensors in place: copies made from
+        # them during this backward are dropped, and step() makes them again.
+        self._staging.discard_prefetched()
         return self.optimizer.state
 
-    def _to_device(self) -> None:
-        for p, st in self.optimizer.state.items():
-            device = local_of(p).device
-            for key, value in st.items():
-                if not isinstance(value, torch.Tensor) or self._host.get((id(p), key)) is not local_of(value):
-                    continue
-                host = local_of(value)
-                dev = torch.empty(host.shape, dtype=host.dtype, device=device)
-                st[key] = as_dtensor_like(dev.copy_(host, non_blocking=True), value)
-
-    def _to_host(self) -> None:
-        streams = {}
-        for p, st in self.optimizer.state.items():
-            device = local_of(p).device
-            for key, value in st.items():
-                if not isinstance(value, torch.Tensor) or value.dim() == 0:
-                    continue  # scalars such as AdamW's "step" stay where they are
-                local = local_of(value)
-                if local.device != device or local is self._host.get((id(p), key)):
-                    continue
-                host = self._host.get((id(p), key))
-                if host is None or host.shape != local.shape or host.dtype != local.dtype:
-                    host = torch.empty(local.shape, dtype=local.dtype, pin_memory=self.pin_memory)
-                    self._host[(id(p), key)] = host
-                # NOTE: asynchronous on the current stream: the next step's copy
-                # back is ordered after it on the same stream; host readers call
-                # _wait() first.
-                host.copy_(local, non_blocking=self.pin_memory)
-                st[key] = as_dtensor_like(host, value)
-                if self.pin_memory and local.device.type == "cuda":
-                    streams.setdefault(local.device, torch.cuda.current_stream(local.device))
-        for stream in streams.values():
-            event = torch.cuda.Event()
-            event.record(stream)
-            self._unwaited.append(event)
-
-    def _wait(self) -> None:
-        """Block until every D2H copy into the host buffers has landed."""
-        while self._unwaited:
-            self._unwaited.pop().synchronize()
-
     def step(self, closure=None):
-        """Copy the state in, run the wrapped optimizer's step, copy it out."""
+        """Copy in the state not yet on the device, run the wrapped optimizer's
+        step, start the copies back to the host."""
         loss = None
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
-        self._to_device()
-        self.optimizer.step()
-        self._to_host()
+        self._staging.run_step(self.optimizer.step)
         return loss
+
+    def stats(self) -> dict:
+        """Figures of the last step: ``h2d_bytes`` and ``d2h_bytes`` (state bytes
+        copied each way), ``prefetched_bytes`` (copied in during backward and
+        used) and ``step_copied_bytes`` (copied in by step()), ``step_blocked_s``
+        (seconds step() held the calling thread), ``copy_wait_s`` (seconds the
+        compute stream waited for copy-ins before the step; None until the GPU
+        has got there), ``host_bytes`` (the host buffers)."""
+        return self._staging.stats()
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         self.optimizer.zero_grad(set_to_none=set_to_none)
+        self._staging.reset_window()
 
     def add_param_group(self, param_group) -> None:
         self.optimizer.add_param_group(param_group)
+        self._staging.hook_params()
 
     def state_dict(self) -> dict:
         """The wrapped optimizer's state_dict (its tensors are the host buffers),
@@ -121,7 +116,10 @@ class StateOffloadOptimizer(torch.optim.Optimizer):
         return state_dict_with_hooks(self, self._build_state_dict)
 
     def _build_state_dict(self) -> dict:
-        self._wait()
+        self._staging.wait()
+        # NOTE: its tensors are the live host buffers, which a checkpoint loader
+        # (torch.distributed.checkpoint) writes in place before load_state_dict.
+        self._staging.discard_prefetched()
         return self.optimizer.state_dict()
 
     def load_state_dict(self, state_dict: dict) -> None:
@@ -130,7 +128,7 @@ class StateOffloadOptimizer(torch.optim.Optimizer):
         load_state_dict_with_hooks(self, state_dict, self._apply_state_dict)
 
     def _apply_state_dict(self, state_dict: dict) -> None:
-        self._wait()
+        self._staging.drain()  # no copy may read or write the host buffers from here on
         groups = self.param_groups
         kept = list(groups)
         self.optimizer.load_state_dict(state_dict)  # torch moves the state to the device
@@ -148,8 +146,9 @@ class StateOffloadOptimizer(torch.optim.Optimizer):
             mine["params"] = params
         groups[:] = kept
         self.optimizer.param_groups = groups
-        self._to_host()
-        self._wait()
+        self._staging.hook_params()
+        self._staging.copy_all_out()
+        self._staging.wait()
 
     def __repr__(self) -> str:
         return f"StateOffloadOptimizer({self.optimizer!r})"

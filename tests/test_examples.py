@@ -151,8 +151,18 @@ def test_example_trains(runs, world, mode):
     assert all(math.isfinite(r["loss"]) and r["step_time_s"] > 0 for r in recs)
     assert recs[0]["tokens_per_step"] == 4 * 32 * 2  # 4 rows x 32 tokens x 2 micro-batches
     stats = recs[-1]["offload"]
-    if mode != "full":  # plain torch AdamW, or StateOffloadOptimizer (no stats())
+    if mode == "none":  # plain torch AdamW: no stats()
         assert stats is None
+        return
+    if mode == "optimizer":  # AdamW's two fp32 moments of this rank's shards, each way, once per step
+        assert stats["h2d_bytes"] == stats["d2h_bytes"] == stats["host_bytes"] > 0
+        # every parameter gets a gradient: all of it was copied in during the last backward
+        assert stats["prefetched_bytes"] == stats["h2d_bytes"] and stats["step_copied_bytes"] == 0
+        if world == 1:
+            train_fsdp = _example_module("train_fsdp")
+            n_params = train_fsdp.count_parameters(
+                train_fsdp.Transformer(train_fsdp.model_config(train_fsdp.parse_args(TINY))))
+            assert stats["d2h_bytes"] == 8 * n_params
         return
     assert stats["backward_passes"] == 2 and stats["chunks"] >= 1 and stats["kernel_s"] > 0
     if world == 1:  # bf16 gradients down for each micro-batch, bf16 weights up once

@@ -7,6 +7,7 @@ import torch
 import torch.nn as nn
 
 from cpu_offload.optim import SignSGD
+from cpu_offload.state_copies import SyncStateCopies
 from cpu_offload.state_offload import StateOffloadOptimizer
 
 
@@ -37,7 +38,7 @@ def test_equals_wrapped_optimizer_bitwise():
         assert torch.equal(a, b)
     # between steps the moments are the host buffers, not the working copies
     for p in m2.parameters():
-        assert wrapped.state[p]["exp_avg"] is wrapped._host[(id(p), "exp_avg")]
+        assert wrapped.state[p]["exp_avg"] is wrapped._staging.host[(id(p), "exp_avg")]
     assert wrapped.param_groups is wrapped.optimizer.param_groups
 
 
@@ -60,7 +61,7 @@ def test_state_dict_round_trip_and_scheduler():
     buf.seek(0)
     b.load_state_dict(torch.load(buf))
     for p in m3.parameters():
-        assert b.state[p]["exp_avg"] is b._host[(id(p), "exp_avg")]
+        assert b.state[p]["exp_avg"] is b._staging.host[(id(p), "exp_avg")]
     train(m2, a, data[3:])
     train(m3, b, data[3:])
     for x, y in zip(m2.parameters(), m3.parameters()):
@@ -186,22 +187,30 @@ def test_state_dict_hooks_run_as_torch_runs_them():
     assert calls == [wrapped.optimizer]
 
 
-class _Event:
+class _Copies(SyncStateCopies):
+    """Stands in for the CUDA copy engine: logs the waits a reader must make."""
+
     def __init__(self, log):
+        super().__init__(torch.device("cpu"))
         self.log = log
 
+    def wait_copy_outs(self):
+        self.log.append("copy-outs waited")
+
     def synchronize(self):
-        self.log.append("synchronized")
+        self.log.append("all copies waited")
 
 
-def test_state_waits_for_copies_to_the_host():
+def test_state_and_state_dict_wait_for_copies_to_the_host():
     model, data = model_and_data()
     opt = StateOffloadOptimizer(torch.optim.AdamW(model.parameters(), lr=1e-2))
     train(model, opt, data[:1])
     log = []
-    opt._unwaited.append(_Event(log))  # stands in for the event after a non-blocking D2H copy
+    opt._staging.copies = {"cuda:0": _Copies(log)}  # the non-blocking D2H copies of the last step
     assert len(opt.state) == 4
-    assert log == ["synchronized"] and opt._unwaited == []
-    opt._unwaited.append(_Event(log))
+    assert log == ["copy-outs waited"]
     opt.state_dict()
-    assert log == ["synchronized"] * 2
+    assert log == ["copy-outs waited"] * 2
+    opt._staging.copies = {"cuda:0": _Copies(log)}
+    opt.load_state_dict(opt.optimizer.state_dict())
+    assert log[2] == "all copies waited"  # before anything writes the host buffers

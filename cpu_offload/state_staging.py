@@ -1,0 +1,305 @@
+# Where the optimizer state of the "optimizer" offload mode is, and moving it:
+# host buffers between steps; device copies prefetched during backward, as
+# gradients arrive (bounded by a byte cap); the rest copied in by step(); all of
+# it copied back out right after the step, overlapped with what follows.
+#
+# Scope: the host buffers, the gradient hooks that prefetch, the per-step
+# bookkeeping (accumulation, arrival order, the cap) and the figures of stats().
+# Non-goals: the torch.optim.Optimizer surface (state_offload.py), streams and
+# events (state_copies.py), splitting the wrapped optimizer's step.
+#
+# The life of one state tensor (AdamW's exp_avg of one parameter), step n:
+#   host buffer ──(gradient hook of the window's last backward: copy-in on the
+#   H2D stream, unless the cap is reached)──► device copy ──(step(): the rest is
+#   copied in; compute waits for all copy-ins; the wrapped optimizer steps)──►
+#   ──(copy-out on the D2H stream after the step; the device copy is dropped)──►
+#   host buffer, read by the copy-in of step n+1 only after that copy-out.
+
+from __future__ import annotations
+
+import threading
+import time
+import weakref
+
+import torch
+
+from cpu_offload.backward_tracking import watch_backward
+from cpu_offload.dtensor import as_dtensor_like, local_of
+from cpu_offload.state_copies import make_state_copies
+
+__all__ = ["StateStaging"]
+
+
+def _nbytes(t: torch.Tensor) -> int:
+    return t.numel() * t.element_size()
+
+
+def _on_grad(staging_ref):
+    def hook(param):
+        staging = staging_ref()
+        if staging is not None:
+            staging.grad_ready(param)
+    return hook
+
+
+def _remove_hooks(handles: dict) -> None:
+    for handle in handles.values():
+        handle.remove()
+    handles.clear()
+
+
+class StateStaging:
+    """The state of ``optimizer``, kept in host buffers between steps.
+
+    Args:
+        optimizer: the wrapped optimizer (its ``state`` is edited in place).
+        pin: page-lock the host buffers.
+        prefetch_bytes: cap on the bytes copied in during backward and not yet
+            stepped; ``None``: no cap (all of it may be).
+        grad_accum_steps: backward passes per step, or ``None``: the most seen
+            in one window so far (nothing is prefetched before one window was
+            seen). The copy-in of a parameter's state starts with its gradient
+            in the window's last backward.
+    """
+
+    def __init__(self, optimizer: torch.optim.Optimizer, *, pin: bool, prefetch_bytes, grad_accum_steps: int):
+        self.optimizer = optimizer
+        self.pin = pin
+        self.prefetch_bytes = prefetch_bytes
+        self.grad_accum_steps = grad_accum_steps
+        self.host: dict = {}  # (id(param), key) -> host tensor (the local shard for DTensors)
+        self.copies: dict = {}  # device -> CudaStateCopies | SyncStateCopies
+        self.out_events: dict = {}  # id(param) -> event after the last copy-out of its state
+        self.prefetched: dict = {}  # id(param) -> {key: (host tensor, device copy)}
+        self.staged_bytes = 0  # bytes in ``prefetched``
+        self.prefetch_failed = False  # a prefetch ran out of device memory: none until the next step
+        self.window = 0  # the most backward passes completed between two steps so far
+        self.completed = 0  # backward passes completed since the last step (or zero_grad)
+        self.watching = False  # the end of the running backward is being watched
+        self.arrived: set = set()  # id(param) of every gradient since the last step
+        self.arrival: list = []  # parameters in the order their first gradient arrived
+        self.h2d_bytes = 0  # since the last step, prefetches included
+        self.timing = None  # the last step's timing events around the wait for copy-ins
+        self.last_stats = {"h2d_bytes": 0, "d2h_bytes": 0, "prefetched_bytes": 0, "step_copied_bytes": 0,
+                           "step_blocked_s": 0.0, "copy_wait_s": 0.0, "host_bytes": 0}
+        # NOTE: hooks run on autograd's device threads (FSDP2: on its reduce path);
+        # the lock keeps them from interleaving with each other and with step().
+        self.lock = threading.Lock()
+        self.handles: dict = {}  # id(param) -> hook handle
+        # NOTE: the hooks hold this object weakly; once it is gone they are removed.
+        weakref.finalize(self, _remove_hooks, self.handles)
+
+    # ------------------------------------------------------------- hooks
+    def hook_params(self) -> None:
+        """Register the gradient hook on every parameter that needs one (new
+        groups, parameters unfrozen since)."""
+        hook = None
+        for group in self.optimizer.param_groups:
+            for p in group["params"]:
+                if p.requires_grad and id(p) not in self.handles:
+                    hook = hook or _on_grad(weakref.ref(self))
+                    self.handles[id(p)] = p.register_post_accumulate_grad_hook(hook)
+
+    def grad_ready(self, p: torch.Tensor) -> None:
+        """Gradient hook: prefetch ``p``'s state during the window's last backward."""
+        with self.lock:
+            if not self.watching:  # the first gradient of this backward
+                self.watching = True
+                watch_backward(self._backward_ended, self._backward_died)
+            if id(p) not in self.arrived:
+                self.arrived.add(id(p))
+                self.arrival.append(p)
+            # NOTE: a prefetch before the window's last backward would hold the
+            # state on the device through the remaining forward passes, at
+            # their activation peak; and once per step: a later backward (one
+            # more than expected, a rerun after an exception) finds it staged.
+            last = max(self.grad_accum_steps or 0, self.window)
+            if (last and self.completed + 1 >= last and id(p) not in self.prefetched
+                    and not self.prefetch_failed):
+                self._prefetch(p)
+
+    def _backward_ended(self) -> None:
+        self.completed += 1
+        self.watching = False
+
+    def _backward_died(self) -> None:
+        # NOTE: may run on another thread, during garbage collection: it only
+        # records the fact (a backward that raised does not count).
+        self.watching = False
+
+    def _entries(self, p: torch.Tensor) -> list:
+        """(key, value, host buffer) for each state tensor of ``p`` now in a host buffer."""
+        state = self.optimizer.state.get(p)
+        if not state:
+            return []
+        entries = []
+        for key, value in state.items():
+            if isinstance(value, torch.Tensor):
+                host = self.host.get((id(p), key))
+                if host is not None and local_of(value) is host:
+                    entries.append((key, value, host))
+        return entries
+
+    def _engine(self, device: torch.device):
+        engine = self.copies.get(device)
+        if engine is None:
+            engine = self.copies[device] = make_state_copies(device)
+        return engine
+
+    def _prefetch(self, p: torch.Tensor) -> None:
+        entries = self._entries(p)
+        if not entries:
+            return  # no state yet (first step), or none of it offloaded
+        nbytes = sum(_nbytes(host) for _, _, host in entries)
+        if self.prefetch_bytes is not None and self.staged_bytes + nbytes > self.prefetch_bytes:
+            return  # copied in by step()
+        engine = self._engine(local_of(p).device)
+        try:
+            devs = engine.copy_in([host for _, _, host in entries], after=self.out_events.get(id(p)))
+        except torch.cuda.OutOfMemoryError:
+            # NOTE: a prefetch must never be what fails a backward: step() copies
+            # the rest in, when the activations are gone.
+            self.prefetch_failed = True
+            return
+        self.prefetched[id(p)] = {key: (host, dev) for (key, _, host), dev in zip(entries, devs)}
+        self.staged_bytes += nbytes
+        self.h2d_bytes += nbytes
+
+    def discard_prefetched(self) -> None:
+        """Drop the copies made since the last step (the host buffers may be
+        about to change); step() copies the state in again."""
+        with self.lock:
+            self.prefetched.clear()  # NOTE: safe: each device copy was record_stream'ed on the H2D stream
+            self.staged_bytes = 0
+
+    def reset_window(self) -> None:
+        """zero_grad(): the next backward starts a new accumulation window."""
+        with self.lock:
+            self.completed = 0
+            self.arrived.clear()
+            self.arrival.clear()
+            self.prefetch_failed = False
+
+    # -------------------------------------------------------------- step
+    def run_step(self, step) -> None:
+        """Copy the rest of the state in, run ``step()``, copy all of it out."""
+        start = time.perf_counter()
+        self.hook_params()
+        used = copied = 0
+        try:
+            with self.lock:
+                used, copied = self._bring_in()
+            step()
+        finally:
+            with self.lock:
+                d2h = self._copy_out()
+                self.prefetched.clear()
+                self.staged_bytes = 0
+                self.window = max(self.window, self.completed)
+                self.completed = 0
+                self.arrived.clear()
+                self.arrival.clear()
+                self.prefetch_failed = False
+                h2d, self.h2d_bytes = self.h2d_bytes + copied, 0
+        self.last_stats = {"h2d_bytes": h2d, "d2h_bytes": d2h, "prefetched_bytes": used,
+                           "step_copied_bytes": copied, "step_blocked_s": time.perf_counter() - start,
+                           "copy_wait_s": None if self.timing else 0.0,
+                           "host_bytes": sum(_nbytes(t) for t in self.host.values())}
+
+    def _params(self) -> list:
+        """Every parameter, in the order gradients arrived, then the others."""
+        rest = [p for g in self.optimizer.param_groups for p in g["params"] if id(p) not in self.arrived]
+        return self.arrival + rest
+
+    def _bring_in(self) -> tuple:
+        """Swap the prefetched copies into the state, copy in the rest; returns
+        (bytes prefetched and used, bytes copied now)."""
+        for engine in self.copies.values():
+            engine.set_compute_stream()
+        used, later = 0, {}
+        for p in self._params():
+            entries = self._entries(p)
+            if not entries:
+                continue
+            staged = self.prefetched.pop(id(p), {})
+            state = self.optimizer.state[p]
+            for key, value, host in entries:
+                hit = staged.get(key)
+                if hit is not None and hit[0] is host:
+                    state[key] = as_dtensor_like(hit[1], value)
+                    used += _nbytes(host)
+                else:
+                    later.setdefault(local_of(p).device, []).append((state, key, value, host))
+        copied = 0
+        for device, items in later.items():
+            engine = self._engine(device)
+            # NOTE: after the latest copy-out of any host buffer (by now long done).
+            devs = engine.copy_in([host for *_, host in items], after=engine.last_out)
+            for (state, key, value, host), dev in zip(items, devs):
+                state[key] = as_dtensor_like(dev, value)
+                copied += _nbytes(host)
+        self.timing = None
+        for engine in self.copies.values():
+            timing = engine.compute_waits_for_copy_ins(timed=self.timing is None)
+            self.timing = self.timing or timing
+        return used, copied
+
+    def _copy_out(self) -> int:
+        """Move every device state tensor (dim >= 1, on its parameter's device)
+        to its host buffer; returns the bytes copied."""
+        by_device: dict = {}
+        for p in self._params():
+            state = self.optimizer.state.get(p)
+            if not state:
+                continue
+            device = local_of(p).device
+            pairs = []
+            for key, value in state.items():
+                if not isinstance(value, torch.Tensor) or value.dim() == 0:
+                    continue  # scalars such as AdamW's "step" stay where they are
+                local = local_of(value)
+                host = self.host.get((id(p), key))
+                if local.device != device or local is host:
+                    continue
+                if host is None or host.shape != local.shape or host.dtype != local.dtype:
+                    # NOTE: allocated once, at the first step (pinning is slow).
+                    host = torch.empty_like(local, device="cpu", pin_memory=self.pin)
+                    self.host[(id(p), key)] = host
+                pairs.append((host, local))
+                state[key] = as_dtensor_like(host, value)
+            if pairs:
+                by_device.setdefault(device, []).append((p, pairs))
+        moved = 0
+        for device, items in by_device.items():
+            events = self._engine(device).copy_out([pairs for _, pairs in items])
+            for (p, pairs), event in zip(items, events):
+                self.out_events[id(p)] = event
+                moved += sum(_nbytes(host) for host, _ in pairs)
+        return moved
+
+    # ------------------------------------------------------------ waiting
+    def wait(self) -> None:
+        """Block until every copy-out has landed in the host buffers."""
+        for engine in list(self.copies.values()):
+            engine.wait_copy_outs()
+
+    def drain(self) -> None:
+        """Block until no copy runs in either direction; drop the prefetched copies."""
+        for engine in list(self.copies.values()):
+            engine.synchronize()
+        self.discard_prefetched()
+
+    def copy_all_out(self) -> None:
+        """Move state the wrapped optimizer holds on the device (a loaded state_dict) to the host."""
+        with self.lock:
+            for engine in self.copies.values():
+                engine.set_compute_stream()  # the stream torch's load_state_dict copied on
+            self._copy_out()
+
+    def stats(self) -> dict:
+        stats = dict(self.last_stats)
+        if self.timing is not None and stats["copy_wait_s"] is None:
+            start, end = self.timing
+            if end.query():
+                stats["copy_wait_s"] = self.last_stats["copy_wait_s"] = start.elapsed_time(end) / 1e3
+        return stats
