@@ -5,6 +5,10 @@
 # memory statistics, no pinned memory left over from the previous one): `warmup` steps,
 # then the median of `steps` timed steps. Modes:
 #   none, optimizer, full   cpu_offload through the example's own code path
+#   full+clip               full, with opt.clip_grad_norm_(1e6) before each step: clipping
+#                           enabled on steps that never clip (the mechanism's cost)
+#   full+clip_all           full, with a max_norm of 1e-6: every step is rolled back and
+#                           redone with the clipping coefficient (the cost of a clipped step)
 #   torchao                 torchao.optim.CPUOffloadOptimizer (fused CPU AdamW,
 #                           offload_gradients=True) on the plain, unsharded model under
 #                           bf16 autocast: it supports single-GPU training only
@@ -40,6 +44,9 @@ from e2e_report import (LABELS, MODES, build_report, format_table, plot,  # noqa
                         summarize, summary_lines, write_json)
 
 # The report functions are re-exported: one module to import for the whole benchmark.
+# The max_norm each clipping mode passes to the example's clip_gradients().
+CLIP_NORMS = {"full+clip": 1e6, "full+clip_all": 1e-6}
+
 __all__ = ["LABELS", "MODES", "build_report", "format_table", "plot", "summarize", "summary_lines",
            "write_json", "exposed_wait", "host_bandwidth_gbs", "run_config", "worker", "main"]
 
@@ -94,9 +101,9 @@ def _build(ex, mode: str, mcfg, device, cfg: dict):
     """Model, optimizer and autocast dtype for one mode."""
     import torch
     lr, wd = cfg["lr"], cfg["weight_decay"]
-    if mode in ("none", "optimizer", "full"):
+    if mode in ("none", "optimizer", "full", "full+clip", "full+clip_all"):
         model = ex.build_model(mcfg, device, seed=cfg["seed"])
-        opt = ex.build_optimizer(model, name="adamw", lr=lr, weight_decay=wd, offload=mode, grad_accum=1)
+        opt = ex.build_optimizer(model, name="adamw", lr=lr, weight_decay=wd, offload=mode.split("+")[0], grad_accum=1)
         return model, opt, None
     if mode == "torchao":
         from torchao.optim import CPUOffloadOptimizer
@@ -133,8 +140,8 @@ def worker(cfg: dict) -> dict:
     sched = ex.make_scheduler(opt, lr=cfg["lr"], warmup=cfg["warmup"], total=n_steps, min_ratio=0.1)
     seq = mcfg.max_seq_len
     per_rank = cfg["tokens_per_step"] // (seq * world)
-    settings = ex.StepSettings(batch_size=per_rank, seq_len=seq, grad_accum=1,
-                               vocab_size=mcfg.vocab_size, seed=cfg["seed"], amp_dtype=amp)
+    settings = ex.StepSettings(batch_size=per_rank, seq_len=seq, grad_accum=1, vocab_size=mcfg.vocab_size,
+                               seed=cfg["seed"], amp_dtype=amp, max_grad_norm=CLIP_NORMS.get(cfg["mode"]))
     records = []
     for rec in ex.run_steps(model, opt, sched, settings, first_step=0, last_step=n_steps, device=device):
         records.append(rec)

@@ -148,6 +148,15 @@ class StepSettings:
     vocab_size: int
     seed: int
     amp_dtype: Optional[torch.dtype] = None  # autocast for an unsharded (plain) model
+    max_grad_norm: Optional[float] = None  # clip the global gradient norm before each step
+
+
+def clip_gradients(model: nn.Module, opt, max_norm: float) -> torch.Tensor:
+    """Global-norm clipping; with offload="full" the gradients are on the host, so the
+    optimizer clips them (same arguments and result as torch.nn.utils.clip_grad_norm_)."""
+    if isinstance(opt, cpu_offload.FullCPUOffloadOptimizer):
+        return opt.clip_grad_norm_(max_norm)
+    return torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm)
 
 
 def run_steps(model, opt, sched, s: StepSettings, *, first_step: int, last_step: int,
@@ -174,6 +183,8 @@ def run_steps(model, opt, sched, s: StepSettings, *, first_step: int, last_step:
             (loss / s.grad_accum).backward()
             loss_sum += loss.detach()
         lr = opt.param_groups[0]["lr"]
+        if s.max_grad_norm is not None:
+            clip_gradients(model, opt, s.max_grad_norm)
         opt.step()
         opt.zero_grad(set_to_none=True)
         sched.step()
@@ -316,6 +327,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--seq-len", type=int, default=2048, help="tokens per sequence")
     p.add_argument("--grad-accum", type=int, default=1, help="micro-batches per optimizer step")
     p.add_argument("--lr", type=float, default=3e-4, help="peak learning rate")
+    p.add_argument("--max-grad-norm", type=float, default=None, help="clip the global gradient norm to this")
     p.add_argument("--min-lr-ratio", type=float, default=0.1, help="final LR of the cosine decay, as a share of --lr")
     p.add_argument("--warmup-steps", type=int, default=10, help="steps of linear LR warm-up")
     p.add_argument("--weight-decay", type=float, default=0.1, help="AdamW weight decay (matrices and embeddings)")
@@ -367,8 +379,8 @@ def main(argv=None) -> list[dict]:
                            total=args.steps, min_ratio=args.min_lr_ratio, start_step=start)
     if rank == 0 and args.resume:
         print(f"resumed {args.resume} at step {start}", flush=True)
-    settings = StepSettings(batch_size=args.batch_size, seq_len=args.seq_len,
-                            grad_accum=args.grad_accum, vocab_size=args.vocab_size, seed=args.seed)
+    settings = StepSettings(batch_size=args.batch_size, seq_len=args.seq_len, grad_accum=args.grad_accum,
+                            vocab_size=args.vocab_size, seed=args.seed, max_grad_norm=args.max_grad_norm)
     metrics = open(args.metrics, "a") if (args.metrics and rank == 0) else None
     records = []
     for rec in run_steps(model, opt, sched, settings, first_step=start, last_step=args.steps, device=device):

@@ -52,10 +52,12 @@ class Bf16MasterAdamW(torch.optim.Optimizer):
 
     Build it over the fp32 model's parameters; it casts them to bf16 in place
     (as full offload does). LR schedulers drive the inner AdamW's groups.
+    ``max_grad_norm`` clips the fp32 gradient sums with torch.nn.utils.clip_grad_norm_.
     """
 
-    def __init__(self, params, **adamw_options):
+    def __init__(self, params, max_grad_norm=None, **adamw_options):
         params = list(params)
+        self.max_grad_norm = max_grad_norm
         self.masters = [p.detach().clone().float() for p in params]
         self.compute = params
         self.inner = torch.optim.AdamW(self.masters, **adamw_options)
@@ -101,6 +103,8 @@ class Bf16MasterAdamW(torch.optim.Optimizer):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
+        if self.max_grad_norm is not None:
+            torch.nn.utils.clip_grad_norm_([m for m in self.masters if m.grad is not None], self.max_grad_norm)
         self.inner.step()
         for p, m in zip(self.compute, self.masters):
             p.copy_(m.to(torch.bfloat16))
@@ -141,15 +145,16 @@ class FullOffloadMaker:
     """``make(model)`` for the train_* helpers: a full-offload AdamW per call, kept so the
     test can close them (their gradient hooks) when it ends."""
 
-    def __init__(self, grad_accum_steps: int) -> None:
+    def __init__(self, grad_accum_steps: int, **options) -> None:
         self.grad_accum_steps = grad_accum_steps
+        self.options = options
         self.made: list = []
 
     def __call__(self, model):
         import cpu_offload
 
         self.made.append(cpu_offload.offload_optimizer(adamw(model.parameters()), offload="full",
-                                                       grad_accum_steps=self.grad_accum_steps))
+                                                       grad_accum_steps=self.grad_accum_steps, **self.options))
         return self.made[-1]
 
     def close(self) -> None:

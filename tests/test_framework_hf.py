@@ -3,7 +3,8 @@
 #
 # The default mode must log bit-identical losses to plain torch.optim.AdamW,
 # also across a short last gradient-accumulation window; full offload must stay
-# within bf16 noise of Bf16MasterAdamW (bf16 model, fp32 masters, plain AdamW).
+# within bf16 noise of Bf16MasterAdamW (bf16 model, fp32 masters, plain AdamW),
+# also when it clips (the Trainer's clipping off, the optimizer's max_grad_norm on).
 # Skipped, with the reason shown, when transformers (or trl) is not installed.
 
 import pytest
@@ -55,7 +56,6 @@ def test_trainer_default_mode_bit_identical_to_adamw(tmp_path, grad_accum):
 
 
 
-
 # 40 rows / batch 2: every window of 2 is full; 42 rows: the last window of each epoch has 1
 @pytest.mark.parametrize("n_rows", [40, 42])
 def test_trainer_full_offload_within_bf16_noise(tmp_path, n_rows):
@@ -83,3 +83,23 @@ def test_trainer_full_offload_within_bf16_noise(tmp_path, n_rows):
     assert len(got) == 2 * (n_rows // 4 + (n_rows % 4 > 0))  # 2 epochs of windows; 42 rows: a short last one
     assert diff < BF16_LOSS_ATOL, line
     assert_trains(got, line)
+
+
+def test_trainer_full_offload_clips_like_torch(tmp_path):
+    clip = 0.5  # below the tiny model's gradient norms (about 2.3): every step clips
+
+    def reference(max_grad_norm):
+        return lambda m: Bf16MasterAdamW(m.parameters(), max_grad_norm=max_grad_norm, lr=1e-2, betas=(0.9, 0.95),
+                                         weight_decay=0.1)
+    want, _, _ = train_with_trainer(tmp_path, reference(clip), n_rows=42, grad_accum=2, max_grad_norm=0.0)
+    unclipped, _, _ = train_with_trainer(tmp_path, reference(None), n_rows=42, grad_accum=2, max_grad_norm=0.0)
+    # the README's recipe: the Trainer's clipping off, the optimizer's on
+    make = FullOffloadMaker(grad_accum_steps=2, max_grad_norm=clip)
+    try:
+        got, model, opt = train_with_trainer(tmp_path, make, n_rows=42, grad_accum=2, max_grad_norm=0.0)
+        assert opt.stats()["clip_coef"] < 1 and opt.stats()["grad_norm"] > clip
+    finally:
+        make.close()
+    diff, line = loss_report("Trainer offload='full' max_grad_norm vs torch's clip_grad_norm_", got, want)
+    assert diff < BF16_LOSS_ATOL, line
+    assert max(abs(a - b) for a, b in zip(unclipped, want)) > 2 * BF16_LOSS_ATOL  # clipping changed the run

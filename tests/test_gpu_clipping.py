@@ -1,0 +1,108 @@
+# Clipping and the non-finite guard of full offload on CUDA (marked gpu), on the
+# example's Llama-shaped model: 20 steps with clip_grad_norm_ (clipping on some
+# steps, not on others) against torch.nn.utils.clip_grad_norm_ + torch.optim.AdamW
+# replayed on the captured gradients; a NaN loss leaves the state bit-identical.
+# Run: pytest -m gpu tests/test_gpu_clipping.py
+import math
+import pathlib
+import sys
+import warnings
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
+
+EXAMPLES = pathlib.Path(__file__).resolve().parent.parent / "examples"
+STEPS, SEQ, CLIP = 20, 256, 1.0
+LOSS_SCALES = [0.5, 2.0, 1.0, 3.0, 0.3, 1.5]
+
+
+def example():
+    if str(EXAMPLES) not in sys.path:
+        sys.path.insert(0, str(EXAMPLES))
+    import train_fsdp
+    return train_fsdp
+
+
+def setup():
+    ex = example()
+    cfg = ex.ModelConfig(vocab_size=4096, d_model=256, n_layers=2, n_heads=4, ffn_dim=704, max_seq_len=SEQ)
+    model = ex.build_model(cfg, torch.device("cuda"), fsdp=False, seed=0)
+    init = {n: p.detach().float().cpu().clone() for n, p in model.named_parameters()}
+    grads = {}
+    for n, p in model.named_parameters():  # registered before the wrapper's hooks: they run first
+        p.register_post_accumulate_grad_hook(lambda p, n=n: grads.__setitem__(n, p.grad.detach().float().cpu()))
+    opt = ex.build_optimizer(model, name="adamw", lr=1e-3, weight_decay=0.1, offload="full", grad_accum=1)
+    return ex, cfg, model, opt, init, grads
+
+
+def loss_of(ex, cfg, model, step):
+    inputs, targets = ex.synthetic_batch(step, 0, rank=0, world=1, batch_size=2, seq_len=SEQ,
+                                         vocab_size=cfg.vocab_size, seed=0, device=torch.device("cuda"))
+    with torch.autocast("cuda", dtype=torch.bfloat16):
+        logits = model(inputs)
+    return F.cross_entropy(logits.float().flatten(0, 1), targets.flatten())
+
+
+def test_clipped_training_matches_torch():
+    ex, cfg, model, opt, init, grads = setup()
+    names = {id(p): n for n, p in model.named_parameters()}
+    history, norms = [], []
+    for s in range(STEPS):
+        grads.clear()
+        (loss_of(ex, cfg, model, s) * LOSS_SCALES[s % len(LOSS_SCALES)]).backward()
+        norms.append(float(opt.clip_grad_norm_(CLIP)))
+        opt.step()
+        opt.zero_grad()
+        history.append(dict(grads))
+    params = {n: torch.nn.Parameter(t.clone()) for n, t in init.items()}
+    groups = [{**{k: v for k, v in g.items() if k != "params"}, "params": [params[names[id(p)]] for p in g["params"]]}
+              for g in opt.param_groups]
+    ref = torch.optim.AdamW(groups)
+    ref_norms = []
+    for step_grads in history:
+        for n, p in params.items():
+            p.grad = step_grads.get(n)
+        ref_norms.append(float(torch.nn.utils.clip_grad_norm_([p for p in params.values() if p.grad is not None], CLIP)))
+        ref.step()
+    clipped = sum(n > CLIP for n in ref_norms)
+    assert 3 <= clipped <= STEPS - 3, ref_norms
+    for ours, theirs in zip(norms, ref_norms):
+        assert abs(ours - theirs) <= 1e-6 * theirs
+    state = opt.state
+    for p in model.parameters():
+        n = names[id(p)]
+        mine, theirs = state[p], ref.state[params[n]]
+        for key, want in (("master", params[n].detach()), ("exp_avg", theirs["exp_avg"]),
+                          ("exp_avg_sq", theirs["exp_avg_sq"])):
+            got = mine[key].view(want.shape)
+            assert float((got - want).norm() / want.norm()) < 1e-5, (n, key)
+        assert torch.equal(p.detach().cpu(), mine["master"].view(p.shape).to(torch.bfloat16)), n
+    opt.close()
+
+
+def test_nan_loss_leaves_the_state_bit_identical():
+    ex, cfg, model, opt, init, grads = setup()
+    for s in range(3):
+        loss_of(ex, cfg, model, s).backward()
+        opt.step()
+        opt.zero_grad()
+    before = {id(p): {k: v.clone() for k, v in st.items()} for p, st in opt.state.items()}
+    weights = [p.detach().clone() for p in model.parameters()]
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        (loss_of(ex, cfg, model, 3) * math.nan).backward()
+        opt.step()
+    assert any("step skipped" in str(w.message) for w in caught)
+    for p, st in opt.state.items():
+        for k, v in st.items():
+            assert torch.equal(v, before[id(p)][k]), k
+    assert all(torch.equal(p.detach(), w) for p, w in zip(model.parameters(), weights))
+    assert opt.stats()["skipped_steps"] == 1
+    opt.zero_grad()
+    loss_of(ex, cfg, model, 4).backward()
+    opt.step()
+    assert not opt.stats()["skipped"] and all(torch.isfinite(st["master"]).all() for st in opt.state.values())
+    opt.close()
