@@ -50,6 +50,28 @@ inline int64_t unaligned_head(const void* out, int64_t n) {
   return head < n ? head : n;
 }
 
+// Prefetches element j of each input stream of an AdamW pass (a hint: it never faults and
+// changes no result). The address is formed as an integer: j may lie past the range.
+template <DType G, DType M>
+inline void adamw_prefetch(const float* param, const void* grad, const void* exp_avg,
+                           const void* exp_avg_sq, int64_t j) {
+  constexpr int64_t gsz = G == DType::f32 ? 4 : 2, msz = M == DType::f32 ? 4 : 2;
+  auto at = [j](const void* base, int64_t size) {
+    return reinterpret_cast<const void*>(reinterpret_cast<uintptr_t>(base) + static_cast<uintptr_t>(j * size));
+  };
+  __builtin_prefetch(at(param, 4), 1, 3);
+  __builtin_prefetch(at(grad, gsz), 0, 3);
+  __builtin_prefetch(at(exp_avg, msz), 1, 3);
+  __builtin_prefetch(at(exp_avg_sq, msz), 1, 3);
+}
+
+// NOTE: with bf16 moments the vector loop prefetches its inputs this many elements ahead.
+// Measured on a 2-core AVX-512 VM (32M elements), that pass went from about 80% to about
+// 93% of the bandwidth probe, where the fp32-moment pass, which is left without, stays at
+// about 90% with or without it: the hardware prefetchers alone keep too few lines in
+// flight for the narrower streams.
+constexpr int64_t kBf16MomentPrefetchAhead = 2048;
+
 // ---- AdamW (torch.optim.AdamW semantics, decoupled weight decay) ----
 // G: gradient dtype; M: moment dtype (both moments). NOTE: with bf16 moments, m and v are
 // computed in fp32 from the widened loads and the parameter update uses those unrounded
@@ -81,6 +103,12 @@ void adamw_range(const AdamWScalars& scalars, float* param, const void* grad, vo
   int64_t i = 0;
   for (const int64_t head = unaligned_head<V, O>(out, n); i < head; ++i)
     adamw_at<VecScalar, G, M, O>(s, param, grad, exp_avg, exp_avg_sq, out, i);
+  if constexpr (M == DType::bf16 && V::N > 1) {
+    for (; i + V::N <= n - kBf16MomentPrefetchAhead; i += V::N) {
+      adamw_prefetch<G, M>(param, grad, exp_avg, exp_avg_sq, i + kBf16MomentPrefetchAhead);
+      adamw_at<V, G, M, O>(s, param, grad, exp_avg, exp_avg_sq, out, i);
+    }
+  }
   for (; i + V::N <= n; i += V::N) adamw_at<V, G, M, O>(s, param, grad, exp_avg, exp_avg_sq, out, i);
   for (; i < n; ++i) adamw_at<VecScalar, G, M, O>(s, param, grad, exp_avg, exp_avg_sq, out, i);
   if constexpr (O == OutKind::bf16) V::stream_fence();
