@@ -3,7 +3,8 @@
 First checks each kernel of each ISA against the pure-torch reference (bit for bit), then
 times every (ISA, configuration) on the same tensors, next to torch's fused CPU AdamW (and,
 with ``--deepspeed``, DeepSpeed's CPU Adam when it is installed), and reports each figure as
-a share of a memory bandwidth probe measured in the same run. Non-goal: GPU timing
+a share of a memory bandwidth probe measured in the same run. AdamW with bf16 moments is
+also compared with the same AdamW on fp32 moments, timed alternately. Non-goal: GPU timing
 (benchmarks/e2e.py).
 """
 from __future__ import annotations
@@ -29,8 +30,12 @@ HYPER = dict(lr=1e-3, beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=0.01)
 CONFIGS = {
     "adamw fp32 grads": 28,         # p rw 8, g 4, m rw 8, v rw 8
     "adamw bf16 grads->bf16": 28,   # p rw 8, g 2, m rw 8, v rw 8, out 2
+    "adamw bf16 states->bf16": 20,  # p rw 8, g 2, m rw 4, v rw 4, out 2 (bf16 moments)
     "sign_sgd bf16->bf16": 12,      # p rw 8, g 2, out 2
 }
+# bf16-moment configuration -> the same configuration with fp32 moments, timed alternately
+# with it for the "x fp32 states" ratio of elements per second.
+FP32_STATES_OF = {"adamw bf16 states->bf16": "adamw bf16 grads->bf16"}
 
 
 # NOTE: torch's OpenMP threads keep spinning for a while after each torch call and would
@@ -53,17 +58,18 @@ def _median_seconds(fn, repeats: int) -> float:
     return statistics.median(times)
 
 
-def _paired_median_seconds(fn_a, fn_b, repeats: int):
-    """Median seconds of fn_a and fn_b, timed alternately so both see the same machine load."""
-    fn_a(), fn_b()
-    times_a, times_b = [], []
+def _alternating_median_seconds(fns, repeats: int):
+    """Median seconds of each of ``fns``, timed in turn so all see the same machine load."""
+    for fn in fns:
+        fn()
+    times = [[] for _ in fns]
     for _ in range(repeats):
-        for fn, times in ((fn_a, times_a), (fn_b, times_b)):
+        for fn, fn_times in zip(fns, times):
             time.sleep(_SETTLE_S)
             t0 = time.perf_counter()
             fn()
-            times.append(time.perf_counter() - t0)
-    return statistics.median(times_a), statistics.median(times_b)
+            fn_times.append(time.perf_counter() - t0)
+    return [statistics.median(t) for t in times]
 
 
 def measure_bandwidth(numel: int, repeats: int) -> float:
@@ -77,14 +83,18 @@ def check_against_reference(isa: str) -> None:
     """Raises AssertionError if a kernel of ``isa`` differs from the reference."""
     g = torch.Generator().manual_seed(0)
     n = 4099
-    p, m, v = torch.randn(n, generator=g), torch.zeros(n), torch.zeros(n)
+    p0 = torch.randn(n, generator=g)
     grad = torch.randn(n, generator=g).bfloat16()
-    rp, rm, rv = p.clone(), m.clone(), v.clone()
-    out = torch.empty(n, dtype=torch.bfloat16)
-    with kernels.use_isa(isa):
-        kernels.adamw_step([p], [grad], [m], [v], torch.zeros(1, dtype=torch.int64), compute_params=[out], **HYPER)
-    adamw_reference_(rp, grad, rm, rv, 1, **HYPER)
-    ok = torch.equal(p, rp) and torch.equal(m, rm) and torch.equal(v, rv) and torch.equal(out, rp.bfloat16())
+    ok = True
+    for moment_dtype in (torch.float32, torch.bfloat16):
+        p, m, v = p0.clone(), torch.zeros(n, dtype=moment_dtype), torch.zeros(n, dtype=moment_dtype)
+        rp, rm, rv = p.clone(), m.clone(), v.clone()
+        out = torch.empty(n, dtype=torch.bfloat16)
+        with kernels.use_isa(isa):
+            kernels.adamw_step([p], [grad], [m], [v], torch.zeros(1, dtype=torch.int64), compute_params=[out],
+                               **HYPER)
+        adamw_reference_(rp, grad, rm, rv, 1, **HYPER)
+        ok = ok and torch.equal(p, rp) and torch.equal(m, rm) and torch.equal(v, rv) and torch.equal(out, rp.bfloat16())
     sp, rsp = p.clone(), p.clone()
     with kernels.use_isa(isa):
         kernels.sign_sgd_step([sp], [grad], lr=1e-2, weight_decay=0.1)
@@ -104,6 +114,8 @@ class Workload:
         self.grads_bf16 = [t.bfloat16() for t in self.grads]
         self.exp_avgs = [torch.zeros(s) for s in sizes]
         self.exp_avg_sqs = [torch.zeros(s) for s in sizes]
+        self.exp_avgs_bf16 = [torch.zeros(s, dtype=torch.bfloat16) for s in sizes]
+        self.exp_avg_sqs_bf16 = [torch.zeros(s, dtype=torch.bfloat16) for s in sizes]
         self.out_bf16 = [torch.empty(s, dtype=torch.bfloat16) for s in sizes]
         self.steps = torch.zeros(tensors, dtype=torch.int64)
         self.numel = numel
@@ -113,6 +125,9 @@ class Workload:
             kernels.adamw_step(self.params, self.grads, self.exp_avgs, self.exp_avg_sqs, self.steps, **HYPER)
         elif config == "adamw bf16 grads->bf16":
             kernels.adamw_step(self.params, self.grads_bf16, self.exp_avgs, self.exp_avg_sqs, self.steps,
+                               compute_params=self.out_bf16, **HYPER)
+        elif config == "adamw bf16 states->bf16":
+            kernels.adamw_step(self.params, self.grads_bf16, self.exp_avgs_bf16, self.exp_avg_sqs_bf16, self.steps,
                                compute_params=self.out_bf16, **HYPER)
         else:
             kernels.sign_sgd_step(self.params, self.grads_bf16, lr=HYPER["lr"], weight_decay=HYPER["weight_decay"],
@@ -146,19 +161,23 @@ class Workload:
             return None
 
 
-def _row(name, isa, seconds, bytes_per_elem, numel, probe_gbs, torch_seconds):
-    """One table row; ``torch_seconds`` is torch's fused AdamW timed alternately with this row."""
+def _row(name, isa, seconds, bytes_per_elem, numel, probe_gbs, torch_seconds, fp32_states_seconds=None):
+    """One table row; ``torch_seconds`` is torch's fused AdamW timed alternately with this row,
+    ``fp32_states_seconds`` (bf16-moment rows only) the same configuration on fp32 moments."""
     gbs = bytes_per_elem * numel / seconds / 1e9
     return dict(isa=isa, config=name, ms=seconds * 1e3, gb_s=gbs, gelem_s=numel / seconds / 1e9,
-                probe_share=gbs / probe_gbs, vs_torch_fused=torch_seconds / seconds)
+                probe_share=gbs / probe_gbs, vs_torch_fused=torch_seconds / seconds,
+                vs_fp32_states=None if fp32_states_seconds is None else fp32_states_seconds / seconds)
 
 
 def format_table(rows) -> str:
-    head = f"{'isa':<12} {'configuration':<26} {'ms':>9} {'GB/s':>7} {'Gelem/s':>8} {'of probe':>9} {'x torch fused':>14}"
+    head = (f"{'isa':<12} {'configuration':<26} {'ms':>9} {'GB/s':>7} {'Gelem/s':>8} {'of probe':>9} "
+            f"{'x torch fused':>14} {'x fp32 states':>14}")
     lines = [head, "-" * len(head)]
     for r in rows:
+        states = "" if r["vs_fp32_states"] is None else f"{r['vs_fp32_states']:.2f}x"
         lines.append(f"{r['isa']:<12} {r['config']:<26} {r['ms']:>9.2f} {r['gb_s']:>7.1f} {r['gelem_s']:>8.3f} "
-                     f"{r['probe_share']:>8.0%} {r['vs_torch_fused']:>13.2f}x")
+                     f"{r['probe_share']:>8.0%} {r['vs_torch_fused']:>13.2f}x {states:>14}")
     return "\n".join(lines)
 
 
@@ -171,11 +190,12 @@ _EPILOG = """\
 columns:
   isa            the kernel variant (torch: torch's fused AdamW, deepspeed: DeepSpeed's CPU Adam)
   configuration  what one call does: AdamW with fp32 gradients; AdamW reading bf16 gradients and
-                 also writing the bf16 copy of the new weights; SignSGD bf16 -> bf16
+                 also writing the bf16 copy of the new weights; the same with bf16 moments
+                 (states); SignSGD bf16 -> bf16
   ms             median time of one call over --repeats timed calls (default 7), after one
                  warm-up call
-  GB/s           minimal bytes moved per element (reads + writes: AdamW 28 B, SignSGD 12 B)
-                 x elements / ms
+  GB/s           minimal bytes moved per element (reads + writes: AdamW 28 B, AdamW with bf16
+                 states 20 B, SignSGD 12 B) x elements / ms
   Gelem/s        elements updated per second
   of probe       GB/s as a share of the bandwidth probe measured in the same run: a stream
                  x <- x*1 over max(4 x --numel, 128M) floats, one read and one write per element.
@@ -183,6 +203,8 @@ columns:
                  which memory can serve faster than one: above 100% is possible
   x torch fused  torch's fused AdamW median / this row's median, the two timed alternately on
                  the same tensors (> 1: this row is faster)
+  x fp32 states  bf16-state rows only: elements per second over those of the same configuration
+                 with fp32 moments (adamw bf16 grads->bf16), the two timed alternately
 
 timing: each timed call follows a 50 ms pause so torch's worker threads are asleep; rows
 are timed alternately with torch's fused AdamW so both see the same machine load."""
@@ -234,14 +256,18 @@ def main(argv=None) -> int:
     rows = [_row("torch fused AdamW fp32", "torch", torch_seconds, 28, args.numel, probe_gbs, torch_seconds)]
     ds_step = work.deepspeed_cpu_adam() if args.deepspeed else None
     if ds_step is not None:
-        torch_seconds, seconds = _paired_median_seconds(torch_step, ds_step, args.repeats)
+        torch_seconds, seconds = _alternating_median_seconds((torch_step, ds_step), args.repeats)
         rows.append(_row("DeepSpeed CPU Adam fp32", "deepspeed", seconds, 28, args.numel, probe_gbs, torch_seconds))
     total = len(isas) * len(CONFIGS)
     for i, (isa, config) in enumerate(((a, c) for a in isas for c in CONFIGS), 1):
         _progress(f"[{i}/{total}] {isa}: {config}")
+        fns = [torch_step, lambda: work.run(config)]
+        if config in FP32_STATES_OF:
+            fns.append(lambda: work.run(FP32_STATES_OF[config]))
         with kernels.use_isa(isa):
-            torch_seconds, seconds = _paired_median_seconds(torch_step, lambda: work.run(config), args.repeats)
-        rows.append(_row(config, isa, seconds, CONFIGS[config], args.numel, probe_gbs, torch_seconds))
+            torch_seconds, seconds, *fp32_states = _alternating_median_seconds(fns, args.repeats)
+        rows.append(_row(config, isa, seconds, CONFIGS[config], args.numel, probe_gbs, torch_seconds,
+                         *fp32_states))
 
     cpu = platform.processor() or platform.machine()
     try:

@@ -292,6 +292,7 @@ def _steps_ptr(steps, count):
 
 _FP32 = (torch.float32,)
 _GRADS = (torch.float32, torch.bfloat16)
+_MOMENTS = (torch.float32, torch.bfloat16)
 
 
 # ---------------------------------------------------------------- kernels
@@ -303,7 +304,9 @@ def adamw_step(params, grads, exp_avgs, exp_avg_sqs, steps, *, lr, beta1, beta2,
     Args:
         params: fp32 master weights, updated in place.
         grads: fp32 or bf16 gradients (one dtype for the list).
-        exp_avgs, exp_avg_sqs: fp32 first and second moments, updated in place.
+        exp_avgs, exp_avg_sqs: first and second moments, updated in place; fp32, or both
+            bf16: widened to fp32, updated in fp32 (the parameter update uses these
+            unrounded values) and stored rounded like ``tensor.to(torch.bfloat16)``.
         steps: 1-D int64 tensor, one step count per tensor; each is incremented first and
             the bias corrections use the new value (like torch's ``state["step"]``).
         lr, beta1, beta2, eps, weight_decay: as torch.optim.AdamW (decoupled decay).
@@ -320,9 +323,14 @@ def adamw_step(params, grads, exp_avgs, exp_avg_sqs, steps, *, lr, beta1, beta2,
         entry, _alive = _prepared(
             "adamw", [("params", params), ("grads", grads), ("exp_avgs", exp_avgs), ("exp_avg_sqs", exp_avg_sqs),
                       ("compute_params", compute_params)],
-            {"params": _FP32, "grads": _GRADS, "exp_avgs": _FP32, "exp_avg_sqs": _FP32, "compute_params": _GRADS})
+            {"params": _FP32, "grads": _GRADS, "exp_avgs": _MOMENTS, "exp_avg_sqs": _MOMENTS,
+             "compute_params": _GRADS})
         steps_ptr = _steps_ptr(steps, entry.batch.size)
-    _C.adamw(entry.batch, _DTYPE_CODE.get(entry.codes["grads"], 0),
+    moment_dtype = entry.codes["exp_avgs"]
+    if entry.codes["exp_avg_sqs"] != moment_dtype:
+        raise ValueError(f"exp_avg_sqs has dtype {entry.codes['exp_avg_sqs']} but exp_avgs has {moment_dtype}; "
+                         "both moments must be float32 or both bfloat16")
+    _C.adamw(entry.batch, _DTYPE_CODE.get(entry.codes["grads"], 0), _DTYPE_CODE.get(moment_dtype, 0),
              _OUT_KIND[entry.codes.get("compute_params")], steps_ptr,
              lr, beta1, beta2, eps, weight_decay, grad_scale)
 

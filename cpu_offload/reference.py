@@ -28,24 +28,26 @@ def _sqrt_f32(x: torch.Tensor) -> torch.Tensor:
 
 def adamw_reference_(param, grad, exp_avg, exp_avg_sq, step, *, lr, beta1, beta2, eps,
                      weight_decay, grad_scale=1.0):
-    """One AdamW step on fp32 ``param``/``exp_avg``/``exp_avg_sq`` in place.
+    """One AdamW step on fp32 ``param`` and fp32 or bf16 ``exp_avg``/``exp_avg_sq`` in place.
 
     ``step`` is the step count after this update (1 on the first step). Returns ``param``.
+    bf16 moments are widened to fp32, updated in fp32, used unrounded for the parameter
+    update, and stored rounded to nearest even (``.to(torch.bfloat16)``).
     """
     bias_correction1 = 1.0 - beta1 ** step          # in double, once per tensor
     bias_correction2 = 1.0 - beta2 ** step
     g = grad.float() * _f32(grad_scale, param)
     p = param * _f32(1.0 - lr * weight_decay, param)                       # decoupled weight decay
-    m = exp_avg * _f32(beta1, param) + g * _f32(1.0 - beta1, param)        # m = b1*m + (1-b1)*g
-    v = exp_avg_sq * _f32(beta2, param) + (g * _f32(1.0 - beta2, param)) * g   # v = b2*v + (1-b2)*g^2
+    m = exp_avg.float() * _f32(beta1, param) + g * _f32(1.0 - beta1, param)        # m = b1*m + (1-b1)*g
+    v = exp_avg_sq.float() * _f32(beta2, param) + (g * _f32(1.0 - beta2, param)) * g   # v = b2*v + (1-b2)*g^2
     # lr * m_hat / (sqrt(v_hat) + eps) with the bias corrections folded into two constants:
     # (lr * sqrt(bc2) / bc1) * m / (sqrt(v) + eps * sqrt(bc2))
     bc2_sqrt = math.sqrt(bias_correction2)
     denom = _sqrt_f32(v) + _f32(eps * bc2_sqrt, param)
     p = p + (_f32(-(lr * bc2_sqrt / bias_correction1), param) * m) / denom
     param.copy_(p)
-    exp_avg.copy_(m)
-    exp_avg_sq.copy_(v)
+    exp_avg.copy_(m.to(exp_avg.dtype))          # bf16 moments: rounded only here, after p used m, v
+    exp_avg_sq.copy_(v.to(exp_avg_sq.dtype))
     return param
 
 

@@ -30,9 +30,9 @@ void require_roles(const TensorBatch& b, int lo, int hi, const char* kernel) {
     throw std::invalid_argument(std::string(kernel) + ": batch has the wrong number of operands");
 }
 
-DType grad_dtype_of(int code) {
+DType dtype_of(int code, const char* what) {
   if (code != static_cast<int>(DType::f32) && code != static_cast<int>(DType::bf16))
-    throw std::invalid_argument("grad_dtype: unknown dtype code " + std::to_string(code));
+    throw std::invalid_argument(std::string(what) + ": unknown dtype code " + std::to_string(code));
   return static_cast<DType>(code);
 }
 
@@ -60,12 +60,14 @@ void require_widths(const TensorBatch& b, std::initializer_list<int> widths, con
 }
 
 // Roles: params, grads, exp_avgs, exp_avg_sqs[, compute_params]. steps: int64[size()].
-void adamw(const TensorBatch& b, int grad_dtype, int out_kind, uintptr_t steps_ptr, double lr, double beta1,
-           double beta2, double eps, double weight_decay, double grad_scale) {
+// moment_dtype is the dtype of both exp_avgs and exp_avg_sqs.
+void adamw(const TensorBatch& b, int grad_dtype, int moment_dtype, int out_kind, uintptr_t steps_ptr, double lr,
+           double beta1, double beta2, double eps, double weight_decay, double grad_scale) {
   require_roles(b, 4, 5, "adamw");
-  const DType gd = grad_dtype_of(grad_dtype);
+  const DType gd = dtype_of(grad_dtype, "grad_dtype");
+  const DType md = dtype_of(moment_dtype, "moment_dtype");
   const OutKind ok = out_kind_of(b, 4, out_kind);
-  require_widths(b, {4, width(gd), 4, 4, width(ok)}, "adamw");
+  require_widths(b, {4, width(gd), width(md), width(md), width(ok)}, "adamw");
   if (b.size() > 0 && steps_ptr == 0) throw std::invalid_argument("adamw: steps is a null pointer");
   // steps is written too, so it must not share memory with any operand.
   const uintptr_t steps_end = steps_ptr + static_cast<uintptr_t>(b.size()) * sizeof(int64_t);
@@ -88,10 +90,10 @@ void adamw(const TensorBatch& b, int grad_dtype, int out_kind, uintptr_t steps_p
   }
   const KernelTable& k = active_kernels();
   b.parallel_ranges([&](int64_t t, int64_t lo, int64_t hi) {
-    const int gsz = width(gd), osz = width(ok);
+    const int gsz = width(gd), msz = width(md), osz = width(ok);
     k.adamw(scalars[t], reinterpret_cast<float*>(b.ptr(0, t)) + lo,
             reinterpret_cast<const char*>(b.ptr(1, t)) + lo * gsz, gd,
-            reinterpret_cast<float*>(b.ptr(2, t)) + lo, reinterpret_cast<float*>(b.ptr(3, t)) + lo,
+            reinterpret_cast<char*>(b.ptr(2, t)) + lo * msz, reinterpret_cast<char*>(b.ptr(3, t)) + lo * msz, md,
             ok == OutKind::none ? nullptr : reinterpret_cast<char*>(b.ptr(4, t)) + lo * osz, ok, hi - lo);
   });
 }
@@ -99,7 +101,7 @@ void adamw(const TensorBatch& b, int grad_dtype, int out_kind, uintptr_t steps_p
 // Roles: params, grads[, compute_params].
 void sign_sgd(const TensorBatch& b, int grad_dtype, int out_kind, double lr, double weight_decay) {
   require_roles(b, 2, 3, "sign_sgd");
-  const DType gd = grad_dtype_of(grad_dtype);
+  const DType gd = dtype_of(grad_dtype, "grad_dtype");
   const OutKind ok = out_kind_of(b, 2, out_kind);
   require_widths(b, {4, width(gd), width(ok)}, "sign_sgd");
   py::gil_scoped_release release;
@@ -116,7 +118,7 @@ void sign_sgd(const TensorBatch& b, int grad_dtype, int out_kind, double lr, dou
 // Roles: accumulators, grads.
 void accumulate(const TensorBatch& b, int grad_dtype, bool add) {
   require_roles(b, 2, 2, "accumulate");
-  const DType gd = grad_dtype_of(grad_dtype);
+  const DType gd = dtype_of(grad_dtype, "grad_dtype");
   require_widths(b, {4, width(gd)}, "accumulate");
   py::gil_scoped_release release;
   const KernelTable& k = active_kernels();

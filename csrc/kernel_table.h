@@ -35,8 +35,10 @@ struct SignSGDScalars {
 // splitting tensors into ranges and ranges over threads happens in the caller.
 struct KernelTable {
   const char* name;
+  // exp_avg and exp_avg_sq are both moment_dtype: fp32, or bf16 (widened to fp32 on load,
+  // rounded to nearest even on store; the parameter update uses the unrounded fp32 values).
   void (*adamw)(const AdamWScalars& s, float* param, const void* grad, DType grad_dtype,
-                float* exp_avg, float* exp_avg_sq, void* out, OutKind out_kind, int64_t n);
+                void* exp_avg, void* exp_avg_sq, DType moment_dtype, void* out, OutKind out_kind, int64_t n);
   void (*sign_sgd)(const SignSGDScalars& s, float* param, const void* grad, DType grad_dtype,
                    void* out, OutKind out_kind, int64_t n);
   void (*accumulate)(float* acc, const void* grad, DType grad_dtype, bool add, int64_t n);

@@ -3,6 +3,7 @@
 import json
 
 import pytest
+import torch
 
 from cpu_offload import bench, kernels
 
@@ -18,9 +19,17 @@ def test_bench_runs_every_isa_and_configuration(tmp_path, capsys):
     assert rows[0]["isa"] == "torch"
     for r in rows:
         assert r["ms"] > 0 and r["gb_s"] > 0 and r["probe_share"] > 0 and r["vs_torch_fused"] > 0
+        # bf16-state rows carry their elements/s over the fp32-state configuration's
+        if r["config"] in bench.FP32_STATES_OF:
+            assert r["vs_fp32_states"] > 0
+            assert r["gb_s"] == pytest.approx(bench.CONFIGS[r["config"]] * r["gelem_s"])
+        else:
+            assert r["vs_fp32_states"] is None
+    assert bench.CONFIGS["adamw bf16 states->bf16"] == 20
     assert result["meta"]["threads"] == 2 and result["meta"]["tensors"] == 7
     out = capsys.readouterr().out
     assert "x torch fused" in out and "adamw bf16 grads->bf16" in out
+    assert "x fp32 states" in out and "adamw bf16 states->bf16" in out
 
 
 def test_reference_check_catches_a_wrong_kernel(monkeypatch):
@@ -28,6 +37,17 @@ def test_reference_check_catches_a_wrong_kernel(monkeypatch):
         bench.check_against_reference(isa)
     real = kernels.sign_sgd_step
     monkeypatch.setattr(kernels, "sign_sgd_step", lambda p, g, **kw: real(p, g, **dict(kw, lr=kw["lr"] * 2)))
+    with pytest.raises(AssertionError, match="differ from cpu_offload.reference"):
+        bench.check_against_reference("scalar")
+    monkeypatch.setattr(kernels, "sign_sgd_step", real)
+    real_adamw = kernels.adamw_step
+
+    def off_by_one_bit_in_bf16_moments(p, g, m, v, steps, **kw):
+        real_adamw(p, g, m, v, steps, **kw)
+        if m[0].dtype == torch.bfloat16:
+            m[0].view(torch.int16)[:1].bitwise_xor_(1)
+
+    monkeypatch.setattr(kernels, "adamw_step", off_by_one_bit_in_bf16_moments)
     with pytest.raises(AssertionError, match="differ from cpu_offload.reference"):
         bench.check_against_reference("scalar")
 
@@ -60,7 +80,7 @@ def test_help_explains_columns_and_timing(capsys):
         bench.main(["--help"])
     assert e.value.code == 0
     text = capsys.readouterr().out
-    for column in ("isa", "configuration", "ms", "GB/s", "Gelem/s", "of probe", "x torch fused"):
+    for column in ("isa", "configuration", "ms", "GB/s", "Gelem/s", "of probe", "x torch fused", "x fp32 states"):
         assert f"\n  {column} " in text, column
     assert "median time of one call over --repeats timed calls (default 7)" in text
     assert "above 100% is possible" in text and "``" not in text

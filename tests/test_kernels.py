@@ -1,5 +1,6 @@
 # Native kernels: every ISA equals the scalar path bit for bit (sizes, offsets, threads,
-# splits); bf16 outputs equal tensor.to(torch.bfloat16); every invalid input raises a
+# splits, fp32 and bf16 moments); bf16 outputs and bf16 moments equal
+# tensor.to(torch.bfloat16) of the fp32 values; every invalid input raises a
 # Python exception naming the argument; the validation cache re-validates changed tensors.
 # (Sequences that used to abort or corrupt the process: test_native_safety.py.)
 import os
@@ -25,13 +26,13 @@ def _views(numels, offset, dtype, g, scale=1.0, positive=False):
     return out
 
 
-def _adamw_state(numels, offset, grad_dtype, seed):
+def _adamw_state(numels, offset, grad_dtype, seed, moment_dtype=torch.float32):
     g = gen(seed)
     return dict(
         params=_views(numels, offset, torch.float32, g),
         grads=_views(numels, offset, grad_dtype, g),
-        exp_avgs=_views(numels, offset, torch.float32, g, 0.1),
-        exp_avg_sqs=_views(numels, offset, torch.float32, g, 0.01, positive=True),
+        exp_avgs=_views(numels, offset, moment_dtype, g, 0.1),
+        exp_avg_sqs=_views(numels, offset, moment_dtype, g, 0.01, positive=True),
         steps=torch.arange(len(numels), dtype=torch.int64) * 3,
     )
 
@@ -57,21 +58,28 @@ def _run_adamw(state, out_dtype, isa, threads, steps=2, out_offset=0):
     return out
 
 
-def _assert_same_bits(a, b):
+def _assert_same_bits(a, b, any_nan=False):
+    """Bit equality; with any_nan, a NaN matches a NaN of any sign and payload."""
     for x, y in zip(a, b):
         assert x.dtype == y.dtype and x.shape == y.shape
         ints = {torch.float32: torch.int32, torch.bfloat16: torch.int16}[x.dtype]
+        if any_nan:
+            nan = torch.isnan(x)
+            assert torch.equal(nan, torch.isnan(y))
+            x, y = x[~nan], y[~nan]
         assert torch.equal(x.view(ints), y.view(ints))
 
 
 @pytest.mark.parametrize("isa", isa_params())
 @pytest.mark.parametrize("grad_dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("moment_dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("out_dtype", [None, torch.bfloat16, torch.float32])
 @pytest.mark.parametrize("threads", [1, 2, 3])
-def test_adamw_isa_equals_scalar(isa, grad_dtype, out_dtype, threads, split_everything):
+def test_adamw_isa_equals_scalar(isa, grad_dtype, moment_dtype, out_dtype, threads, split_everything):
     for offset in (0, 1, 3):
         numels = SIZES if offset == 0 else SIZES[:-1]  # the 1M tensor once per case is enough
-        state = _adamw_state(numels, offset, grad_dtype, seed=hash((offset, str(grad_dtype))) % 1000)
+        state = _adamw_state(numels, offset, grad_dtype, seed=hash((offset, str(grad_dtype))) % 1000,
+                             moment_dtype=moment_dtype)
         expected = _clone(state)
         out_ref = _run_adamw(expected, out_dtype, "scalar", 1)
         out = _run_adamw(state, out_dtype, isa, threads, out_offset=offset)  # unaligned streamed output
@@ -119,6 +127,15 @@ def _bf16_edge_values():
     return bits.to(torch.int32).view(torch.float32)
 
 
+def _assert_rounds_like_torch(out, values):
+    """out == values.to(torch.bfloat16) bit for bit, except that every NaN is the canonical 0x7FC0."""
+    expected = values.to(torch.bfloat16)
+    nan = torch.isnan(expected)
+    assert torch.equal(torch.isnan(out), nan)
+    assert torch.equal(out[~nan].view(torch.int16), expected[~nan].view(torch.int16))
+    assert torch.equal(out[nan].view(torch.int16), torch.full_like(out[nan].view(torch.int16), 0x7FC0))
+
+
 @pytest.mark.parametrize("isa", isa_params())
 def test_bf16_output_rounds_like_torch(isa):
     values = _bf16_edge_values()
@@ -127,19 +144,46 @@ def test_bf16_output_rounds_like_torch(isa):
         out = torch.empty(p.numel(), dtype=torch.bfloat16)
         with kernels.use_isa(isa):  # lr = 0, wd = 0: p is unchanged, so out = bf16(p)
             kernels.sign_sgd_step([p], [torch.ones_like(p)], lr=0.0, weight_decay=0.0, compute_params=[out])
-        expected = values[offset:].to(torch.bfloat16)
-        nan = torch.isnan(expected)
-        assert torch.equal(torch.isnan(out), nan)
-        assert torch.equal(out[~nan].view(torch.int16), expected[~nan].view(torch.int16))
-        assert torch.equal(out[nan].view(torch.int16), torch.full_like(out[nan].view(torch.int16), 0x7FC0))
+        _assert_rounds_like_torch(out, values[offset:])
 
 
 @pytest.mark.parametrize("isa", isa_params())
-def test_nan_and_inf_propagate_like_reference(isa):
+def test_bf16_moments_round_like_torch_and_update_with_fp32(isa):
+    """Against the same ISA with fp32 moments: the parameter update uses the unrounded fp32
+    moments (same params), and the stored bf16 moments are the fp32 ones rounded like torch."""
+    values = _bf16_edge_values()
+    for offset in (0, 5):  # vector body and scalar tail see every value
+        grads = [values[offset:]]
+        n = grads[0].numel()
+        params = torch.randn(n, generator=gen(4))
+        states = {dtype: dict(params=[params.clone()], exp_avgs=[torch.zeros(n, dtype=dtype)],
+                              exp_avg_sqs=[torch.zeros(n, dtype=dtype)], steps=torch.zeros(1, dtype=torch.int64))
+                  for dtype in (torch.float32, torch.bfloat16)}
+        f32, bf16 = states[torch.float32], states[torch.bfloat16]
+        # Step 1: beta1 = beta2 = 0 gives m = g and v = g*g, so the new moments are the edge
+        # values (ties of both parities, NaN, inf, denormals, overflow to inf). Step 2 loads
+        # those rounded moments (bf16 denormals, inf, NaN) and updates them with real betas.
+        for beta1, beta2 in ((0.0, 0.0), (0.9, 0.999)):
+            with kernels.use_isa(isa):
+                for s in (f32, bf16):
+                    kernels.adamw_step(s["params"], grads, s["exp_avgs"], s["exp_avg_sqs"], s["steps"], lr=1e-3,
+                                       beta1=beta1, beta2=beta2, eps=1e-8, weight_decay=0.1)
+            # NOTE: which NaN operand an add passes on is the compiler's choice (it may swap
+            # the operands of a commutative add), so NaN payloads may differ between builds.
+            _assert_same_bits(bf16["params"], f32["params"], any_nan=True)
+            for name in ("exp_avgs", "exp_avg_sqs"):
+                _assert_rounds_like_torch(bf16[name][0], f32[name][0])
+                f32[name][0].copy_(bf16[name][0])  # the next step starts from the same moments
+
+
+@pytest.mark.parametrize("isa", isa_params())
+@pytest.mark.parametrize("moment_dtype", [torch.float32, torch.bfloat16])
+def test_nan_and_inf_propagate_like_reference(isa, moment_dtype):
     from cpu_offload.reference import adamw_reference_
     g = torch.randn(100, generator=gen(1))
     g[[3, 40, 77]] = torch.tensor([float("nan"), float("inf"), -float("inf")])
-    p, m, v = torch.randn(100, generator=gen(2)), torch.zeros(100), torch.zeros(100)
+    p = torch.randn(100, generator=gen(2))
+    m, v = torch.zeros(100, dtype=moment_dtype), torch.zeros(100, dtype=moment_dtype)
     rp, rm, rv = p.clone(), m.clone(), v.clone()
     with kernels.use_isa(isa):
         kernels.adamw_step([p], [g], [m], [v], torch.zeros(1, dtype=torch.int64), lr=1e-3, beta1=0.9,
@@ -178,6 +222,11 @@ def _call(**changes):
 @pytest.mark.parametrize("change, error, words", [
     (dict(grads=[torch.zeros(8), torch.zeros(8, dtype=torch.float16), torch.zeros(8)]), TypeError, r"grads\[1\].*float16"),
     (dict(exp_avgs=[torch.zeros(8), torch.zeros(8), torch.zeros(8, dtype=torch.bfloat16)]), TypeError, r"exp_avgs\[2\]"),
+    (dict(exp_avgs=[torch.zeros(8, dtype=torch.float16) for _ in range(3)]), TypeError, r"exp_avgs\[0\].*float16"),
+    (dict(exp_avg_sqs=[torch.zeros(8, dtype=torch.bfloat16) for _ in range(3)]), ValueError,
+     r"exp_avg_sqs has dtype torch.bfloat16 but exp_avgs has torch.float32"),
+    (dict(exp_avgs=[torch.zeros(8, dtype=torch.bfloat16) for _ in range(3)]), ValueError,
+     r"exp_avg_sqs has dtype torch.float32 but exp_avgs has torch.bfloat16"),
     (dict(grads=[torch.zeros(8), torch.zeros(8, dtype=torch.bfloat16), torch.zeros(8)]), TypeError, r"grads\[1\].*one dtype"),
     (dict(params=[torch.zeros(8), torch.zeros(8, device="meta"), torch.zeros(8)]), ValueError, r"params\[1\].*meta"),
     (dict(exp_avg_sqs=[torch.zeros(8), torch.zeros(16)[::2], torch.zeros(8)]), ValueError, r"exp_avg_sqs\[1\].*contiguous"),

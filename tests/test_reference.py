@@ -1,11 +1,12 @@
 # The reference and the native AdamW against torch.optim.AdamW (fused and foreach) over
-# many steps, and the native kernels against the reference, bit for bit.
+# many steps, and the native kernels of every ISA against the reference, bit for bit (fp32
+# and bf16 gradients, fp32 and bf16 moments).
 import pytest
 import torch
 
 from cpu_offload import kernels
 from cpu_offload.reference import adamw_reference_, sign_sgd_reference_
-from conftest import gen
+from conftest import gen, isa_params
 
 HYPERS = [
     dict(lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.01),
@@ -49,23 +50,33 @@ def test_native_adamw_matches_torch_adamw_over_200_steps(hyper, impl):
         assert steps[i].item() == int(state["step"].item()) == 200
 
 
+def _same_bits(a, b):
+    ints = {torch.float32: torch.int32, torch.bfloat16: torch.int16}[a.dtype]
+    return a.dtype == b.dtype and torch.equal(a.view(ints), b.view(ints))
+
+
+@pytest.mark.parametrize("isa", isa_params())
 @pytest.mark.parametrize("grad_dtype", [torch.float32, torch.bfloat16])
-def test_native_kernels_equal_reference_bitwise(grad_dtype):
+@pytest.mark.parametrize("moment_dtype", [torch.float32, torch.bfloat16])
+def test_native_kernels_equal_reference_bitwise(isa, grad_dtype, moment_dtype):
     g = gen(5)
     n = 10007
-    p, m, v = torch.randn(n, generator=g), torch.zeros(n), torch.zeros(n)
+    p = torch.randn(n, generator=g)
+    m, v = torch.zeros(n, dtype=moment_dtype), torch.zeros(n, dtype=moment_dtype)
     rp, rm, rv = p.clone(), m.clone(), v.clone()
     steps = torch.zeros(1, dtype=torch.int64)
     hyper = dict(lr=2e-3, beta1=0.9, beta2=0.95, eps=1e-8, weight_decay=0.1, grad_scale=0.25)
     for step in range(1, 31):
         grad = torch.randn(n, generator=g).to(grad_dtype)
-        kernels.adamw_step([p], [grad], [m], [v], steps, **hyper)
+        with kernels.use_isa(isa):
+            kernels.adamw_step([p], [grad], [m], [v], steps, **hyper)
         adamw_reference_(rp, grad, rm, rv, step, **hyper)
-    assert torch.equal(p, rp) and torch.equal(m, rm) and torch.equal(v, rv)
+    assert _same_bits(p, rp) and _same_bits(m, rm) and _same_bits(v, rv)
     sp, rsp = p.clone(), p.clone()
     for _ in range(10):
         grad = torch.randn(n, generator=g).to(grad_dtype)
         grad[::7] = 0
-        kernels.sign_sgd_step([sp], [grad], lr=1e-2, weight_decay=0.05)
+        with kernels.use_isa(isa):
+            kernels.sign_sgd_step([sp], [grad], lr=1e-2, weight_decay=0.05)
         sign_sgd_reference_(rsp, grad, lr=1e-2, weight_decay=0.05)
     assert torch.equal(sp, rsp)

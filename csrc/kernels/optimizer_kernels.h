@@ -12,10 +12,20 @@
 namespace cpu_offload {
 namespace {
 
-template <class V, DType G>
-inline typename V::F load_grad(const void* grad, int64_t i) {
-  if constexpr (G == DType::f32) return V::load(static_cast<const float*>(grad) + i);
-  else return V::load_bf16(static_cast<const uint16_t*>(grad) + i);
+// Loads elements of dtype D as fp32 (bf16 widens exactly: its bits become the high half).
+template <class V, DType D>
+inline typename V::F load_f32(const void* src, int64_t i) {
+  if constexpr (D == DType::f32) return V::load(static_cast<const float*>(src) + i);
+  else return V::load_bf16(static_cast<const uint16_t*>(src) + i);
+}
+
+// Stores an fp32 moment back as dtype M; bf16 rounds to nearest even like
+// tensor.to(torch.bfloat16). NOTE: regular stores: the lines were just read (the moments
+// are updated in place), so a non-temporal store would save no traffic.
+template <class V, DType M>
+inline void store_moment(void* dst, int64_t i, typename V::F x) {
+  if constexpr (M == DType::f32) V::store(static_cast<float*>(dst) + i, x);
+  else V::store_bf16(static_cast<uint16_t*>(dst) + i, x);
 }
 
 // NOTE: the bf16 compute copy is a write-only stream (and, in full offload, pinned memory
@@ -40,36 +50,67 @@ inline int64_t unaligned_head(const void* out, int64_t n) {
   return head < n ? head : n;
 }
 
+// Prefetches element j of each input stream of an AdamW pass (a hint: it never faults and
+// changes no result). The address is formed as an integer: j may lie past the range.
+template <DType G, DType M>
+inline void adamw_prefetch(const float* param, const void* grad, const void* exp_avg,
+                           const void* exp_avg_sq, int64_t j) {
+  constexpr int64_t gsz = G == DType::f32 ? 4 : 2, msz = M == DType::f32 ? 4 : 2;
+  auto at = [j](const void* base, int64_t size) {
+    return reinterpret_cast<const void*>(reinterpret_cast<uintptr_t>(base) + static_cast<uintptr_t>(j * size));
+  };
+  __builtin_prefetch(at(param, 4), 1, 3);
+  __builtin_prefetch(at(grad, gsz), 0, 3);
+  __builtin_prefetch(at(exp_avg, msz), 1, 3);
+  __builtin_prefetch(at(exp_avg_sq, msz), 1, 3);
+}
+
+// NOTE: with bf16 moments the vector loop prefetches its inputs this many elements ahead.
+// Measured on a 2-core AVX-512 VM (32M elements), that pass went from about 80% to about
+// 93% of the bandwidth probe, where the fp32-moment pass, which is left without, stays at
+// about 90% with or without it: the hardware prefetchers alone keep too few lines in
+// flight for the narrower streams.
+constexpr int64_t kBf16MomentPrefetchAhead = 2048;
+
 // ---- AdamW (torch.optim.AdamW semantics, decoupled weight decay) ----
-template <class V, DType G, OutKind O>
-inline void adamw_at(const AdamWScalars& s, float* param, const void* grad, float* exp_avg,
-                     float* exp_avg_sq, void* out, int64_t i) {
+// G: gradient dtype; M: moment dtype (both moments). NOTE: with bf16 moments, m and v are
+// computed in fp32 from the widened loads and the parameter update uses those unrounded
+// values; only what is stored back is rounded to bf16.
+template <class V, DType G, DType M, OutKind O>
+inline void adamw_at(const AdamWScalars& s, float* param, const void* grad, void* exp_avg,
+                     void* exp_avg_sq, void* out, int64_t i) {
   using F = typename V::F;
-  F g = V::mul(load_grad<V, G>(grad, i), V::set1(s.grad_scale));
+  F g = V::mul(load_f32<V, G>(grad, i), V::set1(s.grad_scale));
   F p = V::mul(V::load(param + i), V::set1(s.decay));                        // p * (1 - lr*wd)
-  F m = V::add(V::mul(V::load(exp_avg + i), V::set1(s.beta1)),
+  F m = V::add(V::mul(load_f32<V, M>(exp_avg, i), V::set1(s.beta1)),
                V::mul(g, V::set1(s.one_minus_beta1)));                       // m = b1*m + (1-b1)*g
-  F v = V::add(V::mul(V::load(exp_avg_sq + i), V::set1(s.beta2)),
+  F v = V::add(V::mul(load_f32<V, M>(exp_avg_sq, i), V::set1(s.beta2)),
                V::mul(V::mul(g, V::set1(s.one_minus_beta2)), g));            // v = b2*v + (1-b2)*g*g
   F denom = V::add(V::sqrt(v), V::set1(s.eps_hat));                          // sqrt(v) + eps_hat
   p = V::add(p, V::div(V::mul(V::set1(s.neg_step_size), m), denom));         // p - step_size * m / denom
   V::store(param + i, p);
-  V::store(exp_avg + i, m);
-  V::store(exp_avg_sq + i, v);
+  store_moment<V, M>(exp_avg, i, m);
+  store_moment<V, M>(exp_avg_sq, i, v);
   store_out<V, O>(out, i, p);
 }
 
-template <class V, DType G, OutKind O>
-void adamw_range(const AdamWScalars& scalars, float* param, const void* grad, float* exp_avg,
-                 float* exp_avg_sq, void* out, int64_t n) {
+template <class V, DType G, DType M, OutKind O>
+void adamw_range(const AdamWScalars& scalars, float* param, const void* grad, void* exp_avg,
+                 void* exp_avg_sq, void* out, int64_t n) {
   // NOTE: a local copy: stores through the float pointers could alias the caller's struct,
   // which would force a reload and broadcast of every constant in every iteration.
   const AdamWScalars s = scalars;
   int64_t i = 0;
   for (const int64_t head = unaligned_head<V, O>(out, n); i < head; ++i)
-    adamw_at<VecScalar, G, O>(s, param, grad, exp_avg, exp_avg_sq, out, i);
-  for (; i + V::N <= n; i += V::N) adamw_at<V, G, O>(s, param, grad, exp_avg, exp_avg_sq, out, i);
-  for (; i < n; ++i) adamw_at<VecScalar, G, O>(s, param, grad, exp_avg, exp_avg_sq, out, i);
+    adamw_at<VecScalar, G, M, O>(s, param, grad, exp_avg, exp_avg_sq, out, i);
+  if constexpr (M == DType::bf16 && V::N > 1) {
+    for (; i + V::N <= n - kBf16MomentPrefetchAhead; i += V::N) {
+      adamw_prefetch<G, M>(param, grad, exp_avg, exp_avg_sq, i + kBf16MomentPrefetchAhead);
+      adamw_at<V, G, M, O>(s, param, grad, exp_avg, exp_avg_sq, out, i);
+    }
+  }
+  for (; i + V::N <= n; i += V::N) adamw_at<V, G, M, O>(s, param, grad, exp_avg, exp_avg_sq, out, i);
+  for (; i < n; ++i) adamw_at<VecScalar, G, M, O>(s, param, grad, exp_avg, exp_avg_sq, out, i);
   if constexpr (O == OutKind::bf16) V::stream_fence();
 }
 
@@ -78,7 +119,7 @@ template <class V, DType G, OutKind O>
 inline void sign_sgd_at(const SignSGDScalars& s, float* param, const void* grad, void* out, int64_t i) {
   using F = typename V::F;
   F p = V::mul(V::load(param + i), V::set1(s.decay));                       // p * (1 - lr*wd)
-  p = V::sub(p, V::mul(V::set1(s.lr), V::sign(load_grad<V, G>(grad, i))));  // p - lr * sign(g)
+  p = V::sub(p, V::mul(V::set1(s.lr), V::sign(load_f32<V, G>(grad, i))));  // p - lr * sign(g)
   V::store(param + i, p);
   store_out<V, O>(out, i, p);
 }
@@ -99,11 +140,11 @@ template <class V, DType G, bool Add>
 void accumulate_range(float* acc, const void* grad, int64_t n) {
   int64_t i = 0;
   for (; i + V::N <= n; i += V::N) {
-    auto g = load_grad<V, G>(grad, i);
+    auto g = load_f32<V, G>(grad, i);
     V::store(acc + i, Add ? V::add(V::load(acc + i), g) : g);
   }
   for (; i < n; ++i) {
-    float g = load_grad<VecScalar, G>(grad, i);
+    float g = load_f32<VecScalar, G>(grad, i);
     acc[i] = Add ? acc[i] + g : g;
   }
 }
@@ -119,19 +160,25 @@ void scale_stream_range(float* x, float factor, int64_t n) {
 // ---- runtime (dtype, output) -> template instantiation ----
 template <class V>
 struct KernelsFor {
-  template <DType G>
-  static void adamw_g(const AdamWScalars& s, float* p, const void* g, float* m, float* v, void* out,
-                      OutKind o, int64_t n) {
+  template <DType G, DType M>
+  static void adamw_gm(const AdamWScalars& s, float* p, const void* g, void* m, void* v, void* out,
+                       OutKind o, int64_t n) {
     switch (o) {
-      case OutKind::none: return adamw_range<V, G, OutKind::none>(s, p, g, m, v, out, n);
-      case OutKind::f32: return adamw_range<V, G, OutKind::f32>(s, p, g, m, v, out, n);
-      case OutKind::bf16: return adamw_range<V, G, OutKind::bf16>(s, p, g, m, v, out, n);
+      case OutKind::none: return adamw_range<V, G, M, OutKind::none>(s, p, g, m, v, out, n);
+      case OutKind::f32: return adamw_range<V, G, M, OutKind::f32>(s, p, g, m, v, out, n);
+      case OutKind::bf16: return adamw_range<V, G, M, OutKind::bf16>(s, p, g, m, v, out, n);
     }
   }
-  static void adamw(const AdamWScalars& s, float* p, const void* g, DType gd, float* m, float* v,
-                    void* out, OutKind o, int64_t n) {
-    if (gd == DType::f32) adamw_g<DType::f32>(s, p, g, m, v, out, o, n);
-    else adamw_g<DType::bf16>(s, p, g, m, v, out, o, n);
+  template <DType G>
+  static void adamw_g(const AdamWScalars& s, float* p, const void* g, void* m, void* v, DType md,
+                      void* out, OutKind o, int64_t n) {
+    if (md == DType::f32) adamw_gm<G, DType::f32>(s, p, g, m, v, out, o, n);
+    else adamw_gm<G, DType::bf16>(s, p, g, m, v, out, o, n);
+  }
+  static void adamw(const AdamWScalars& s, float* p, const void* g, DType gd, void* m, void* v,
+                    DType md, void* out, OutKind o, int64_t n) {
+    if (gd == DType::f32) adamw_g<DType::f32>(s, p, g, m, v, md, out, o, n);
+    else adamw_g<DType::bf16>(s, p, g, m, v, md, out, o, n);
   }
   template <DType G>
   static void sign_sgd_g(const SignSGDScalars& s, float* p, const void* g, void* out, OutKind o, int64_t n) {
