@@ -147,7 +147,7 @@ class ChunkRunner:
         host accumulator (which now holds the window's sum); sets ``nonfinite``."""
         for p in chunk.pieces:
             if self.accumulate:
-                n = float(torch.linalg.vector_norm(p.rec.accum[p.start : p.start + p.numel]))
+                n = float(torch.linalg.vector_norm(p.rec.accum[p.start : p.start + p.numel], dtype=torch.float64))
                 p.rec.grad_sq += n * n
             else:
                 n = float(self.device_norms[p.rec.index])

@@ -7,6 +7,9 @@
 # maxima) are all-reduced over the mesh dimensions the parameter is sharded on,
 # one collective per distinct set of groups. A NaN anywhere makes the total NaN
 # (counted separately: a MAX reduction may drop NaN), an Inf makes it Inf.
+# NOTE: the per-parameter norms are accumulated in float64 (a float32 reduction
+# over millions of elements on a GPU drifts by 1e-5 relative), so the total is
+# the exact norm of the gradients to float32 precision.
 #
 # Scope: combining per-parameter local norms, the all-reduce, torch's clipping
 # coefficient. Non-goals: where the per-parameter norms come from (the hooks on

@@ -90,7 +90,7 @@ class Pipeline:
         self._runner.track_norms = norm_slots > 0
         self._runner.skip_nonfinite = skip_nonfinite and norm_slots > 0
         if norm_slots and not accumulate:
-            self._runner.device_norms = torch.zeros(norm_slots, dtype=torch.float32, pin_memory=transfer.pin)
+            self._runner.device_norms = torch.zeros(norm_slots, dtype=torch.float64, pin_memory=transfer.pin)
         self._queue: collections.deque = collections.deque()
         self._open: Optional[Chunk] = None
         self._busy: Optional[Chunk] = None
@@ -157,7 +157,7 @@ class Pipeline:
             # it has processed this many pieces, whichever chunk finishes last.
             rec.pieces_total, rec.pieces_done = len(placements), 0
             if self._runner.device_norms is not None:
-                norm = torch.linalg.vector_norm(grad, dtype=torch.float32)
+                norm = torch.linalg.vector_norm(grad, dtype=torch.float64)  # NOTE: float64: see grad_norms.py
         self.transfer.grad_ready()
         if norm is not None:
             # NOTE: queued before the pieces, so the marker of the chunk holding the

@@ -29,35 +29,43 @@ import math
 
 import torch
 
-from cpu_offload.reference import _f32, _sqrt_f32
 
 __all__ = ["rollback_adamw_", "rollback_sign_sgd_"]
 
 
 def rollback_adamw_(param, grad, exp_avg, exp_avg_sq, step: int, *, lr, beta1, beta2, eps, weight_decay,
                     grad_scale=1.0) -> None:
-    """Undo one AdamW step in place; ``step`` is the count that step used (1 for the first)."""
+    """Undo one AdamW step in place; ``step`` is the count that step used (1 for the first).
+
+    NOTE: in-place float32 operations with one temporary pair (a rare path over the whole
+    model: it must not allocate a copy per operation); a float32 sqrt that is not correctly
+    rounded changes u by an ulp of u, far below the half ulp of p1 the inverse loses anyway.
+    """
     bias_correction1 = 1.0 - beta1 ** step
     bc2_sqrt = math.sqrt(1.0 - beta2 ** step)
     decay = 1.0 - lr * weight_decay
-    g = grad.float() * _f32(grad_scale, param)
-    m1, v1 = exp_avg, exp_avg_sq
-    u = (_f32(-(lr * bc2_sqrt / bias_correction1), param) * m1) / (_sqrt_f32(v1) + _f32(eps * bc2_sqrt, param))
-    p = param - u                                                                   # p' = p0 * decay
+    g = grad.to(torch.float32, copy=True)
+    if grad_scale != 1.0:
+        g.mul_(grad_scale)
+    u = torch.sqrt(exp_avg_sq).add_(eps * bc2_sqrt)                  # sqrt(v1) + eps_hat
+    u = torch.mul(exp_avg, -(lr * bc2_sqrt / bias_correction1)).div_(u)   # nss*m1/denom
+    param.sub_(u)                                                     # p' = p0 * decay
     if decay != 0.0:
-        p = p / _f32(decay, param)
-    m0 = (m1 - g * _f32(1.0 - beta1, param)) / _f32(beta1, param) if beta1 > 0 else torch.zeros_like(m1)
-    v0 = ((v1 - (g * _f32(1.0 - beta2, param)) * g) / _f32(beta2, param)).clamp_(min=0.0) if beta2 > 0 \
-        else torch.zeros_like(v1)
-    param.copy_(p)
-    exp_avg.copy_(m0)
-    exp_avg_sq.copy_(v0)
+        param.div_(decay)
+    if beta1 > 0:
+        exp_avg.sub_(torch.mul(g, 1.0 - beta1, out=u)).div_(beta1)   # m0 = (m1 - (1-b1)*g)/b1
+    else:
+        exp_avg.zero_()
+    if beta2 > 0:
+        torch.mul(g, 1.0 - beta2, out=u).mul_(g)                       # (1-b2)*g*g
+        exp_avg_sq.sub_(u).div_(beta2).clamp_(min=0.0)                 # v0 = max((v1 - (1-b2)*g*g)/b2, 0)
+    else:
+        exp_avg_sq.zero_()
 
 
 def rollback_sign_sgd_(param, grad, *, lr, weight_decay) -> None:
     """Undo one SignSGD step in place."""
-    p = param + _f32(lr, param) * torch.sign(grad.float())
+    param.add_(torch.sign(grad).to(torch.float32).mul_(lr))
     decay = 1.0 - lr * weight_decay
     if decay != 0.0:
-        p = p / _f32(decay, param)
-    param.copy_(p)
+        param.div_(decay)

@@ -73,9 +73,9 @@ class StepValidator:
         if norm_type not in self._norms:
             recs = self.window_records()
             if self.accumulate:
-                local = [float(torch.linalg.vector_norm(r.accum, norm_type)) for r in recs]
+                local = [float(torch.linalg.vector_norm(r.accum, norm_type, dtype=torch.float64)) for r in recs]
             elif recs:
-                local = torch.stack([torch.linalg.vector_norm(r.retained, norm_type, dtype=torch.float32)
+                local = torch.stack([torch.linalg.vector_norm(r.retained, norm_type, dtype=torch.float64)
                                      for r in recs]).tolist()
             else:
                 local = []
