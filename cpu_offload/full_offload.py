@@ -16,7 +16,8 @@
 #   ACCUMULATING ──first gradient──► BACKWARD (pass j+1)
 #   ACCUMULATING ──step()──► IDLE (a short window: the optimizer runs on what was accumulated)
 #   ACCUMULATING ──zero_grad()──► IDLE (the window is discarded, like torch)
-#   APPLIED ──clip_grad_norm_()──► APPLIED (the window's factor changes; applied at step())
+#   APPLIED ──clip_grad_norm_() / scale_grads_()──► APPLIED (the window's factor changes;
+#                                                   applied at step() by a rollback and a redo)
 #   APPLIED ──step()──► IDLE;   APPLIED ──zero_grad()──► IDLE (the update stays applied; warned once)
 #   APPLIED ──first gradient──► error: step() or zero_grad() first (state unchanged)
 #   IDLE ──step()──► IDLE (nothing to do, as torch)
@@ -59,11 +60,11 @@ from cpu_offload.dtype_hint import watch_first_forward
 from cpu_offload.full_offload_setup import (
     bind_for, check_clipping_options, check_optimizer, check_options, read_hparams, staging_slot_bytes,
 )
-from cpu_offload.grad_norms import check_norm_type
 from cpu_offload.pipeline import Pipeline
 from cpu_offload.step_validation import StepValidator
 from cpu_offload.transfer import HostRing, make_transfer
 from cpu_offload.window import finish_window, reset_window, salvage_window
+from cpu_offload.window_controls import WindowControls
 from cpu_offload.wrapping import adopt_optimizer, load_state_dict_with_hooks, state_dict_with_hooks
 
 __all__ = ["FullCPUOffloadOptimizer", "Phase"]
@@ -90,6 +91,7 @@ class _Protocol:
     """
 
     phase: Phase = Phase.CLOSED
+    window: int = 1  # backward passes in the coming (or running) window: grad_accum_steps
     micro: int = 0  # backward passes completed in the open window
     final: bool = False  # the running backward is the window's last
     gen: int = 0  # identifies the watched backward; stale signals carry an older one
@@ -124,7 +126,7 @@ def _shutdown(records, pipeline, transfer) -> None:
         pass
 
 
-class FullCPUOffloadOptimizer(torch.optim.Optimizer):
+class FullCPUOffloadOptimizer(WindowControls, torch.optim.Optimizer):
     """Wraps a torch.optim.AdamW or cpu_offload.SignSGD and runs it on the CPU
     during backward.
 
@@ -137,7 +139,9 @@ class FullCPUOffloadOptimizer(torch.optim.Optimizer):
         optimizer: the optimizer to wrap (its ``param_groups`` dicts are shared,
             so LR schedulers keep working; a changed lr applies to the next step).
         grad_accum_steps: backward passes per optimizer step; the first ones
-            accumulate gradients in fp32 host buffers.
+            accumulate gradients in fp32 host buffers (which exist only when
+            this is > 1). It may be set again before each window (see
+            ``WindowControls.grad_accum_steps``).
         compute_dtype: dtype of the compute copy, ``torch.bfloat16`` (default)
             or ``torch.float32``.
         keep_fp32: parameters whose compute copy stays fp32.
@@ -216,7 +220,7 @@ class FullCPUOffloadOptimizer(torch.optim.Optimizer):
             if id(rec.param) in originals:
                 ownership.mark_cast(rec.param, originals[id(rec.param)])
         adopt_optimizer(self, optimizer)
-        self.grad_accum_steps = grad_accum_steps
+        self._proto.window = grad_accum_steps
         self.timeout_s = float(timeout_s)
         self._records, self._frozen = records, frozen
         self._accumulate = accumulate
@@ -296,7 +300,7 @@ class FullCPUOffloadOptimizer(torch.optim.Optimizer):
         # NOTE: hyper-parameters are read when the last backward of a window
         # starts (the chunks are stepped during it), so an LR scheduler stepped
         # after step() applies to the next step, as with torch.
-        hparams = self._read_hparams() if self._proto.final else None
+        hparams = self._read_hparams(speculate=True) if self._proto.final else None
         self._pipeline.begin_backward(micro=self._proto.micro, final=self._proto.final, hparams=hparams)
 
     def _backward_ended(self, gen: int) -> None:
@@ -346,10 +350,10 @@ class FullCPUOffloadOptimizer(torch.optim.Optimizer):
             warnings.warn(f"cpu_offload: {where} raised; {done}the rest of the accumulation window was discarded",
                           RuntimeWarning, stacklevel=_user_stacklevel())
 
-    def _read_hparams(self) -> list:
+    def _read_hparams(self, *, speculate: bool = False) -> list:
         hparams = read_hparams(self.param_groups, self._algorithm)
         for hp in hparams:
-            hp["grad_scale"] = self._validator.scale
+            hp["grad_scale"] = self._validator.speculative_scale() if speculate else self._validator.scale
         return hparams
 
     def _complete_window(self) -> None:
@@ -373,7 +377,7 @@ class FullCPUOffloadOptimizer(torch.optim.Optimizer):
 
     def _close_window(self) -> None:
         reset_window(self._records, self._pipeline)
-        self._validator.open_window()
+        self._validator.close_window()
         self._proto.micro = 0
         self._proto.final = False
 
@@ -396,6 +400,7 @@ class FullCPUOffloadOptimizer(torch.optim.Optimizer):
         self._check_no_bypassed_grads()
         t0 = time.perf_counter()
         if self._proto.phase is Phase.IDLE:
+            self._validator.open_window()  # a factor announced for a window that never ran
             return loss
         passes = self.grad_accum_steps if self._proto.phase is Phase.APPLIED else self._proto.micro
         if self._proto.phase is Phase.ACCUMULATING:  # a short window
@@ -454,26 +459,6 @@ class FullCPUOffloadOptimizer(torch.optim.Optimizer):
                         p.grad = None
                     else:
                         p.grad.detach_().zero_()
-
-    def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0, error_if_nonfinite: bool = False,
-                        foreach=None) -> torch.Tensor:
-        """``torch.nn.utils.clip_grad_norm_`` over the gradients of the coming step.
-
-        Call it after the window's last backward pass (or after fewer, before a
-        short window's ``step()``), where a script would clip ``param.grad``.
-        Returns the total norm over every gradient of the step (all ranks) as a
-        0-d float32 tensor on the parameters' device; ``step()`` applies
-        ``min(1, max_norm / (total + 1e-6))`` to all of them. ``foreach`` is
-        accepted for torch's signature and ignored.
-        """
-        self._enter()
-        max_norm = float(max_norm)
-        p = check_norm_type(norm_type)
-        if self._proto.phase is Phase.BACKWARD:
-            raise RuntimeError("clip_grad_norm_() called during a backward pass; call it after backward()")
-        total = 0.0 if self._proto.phase is Phase.IDLE else \
-            self._validator.clip(max_norm, p, error_if_nonfinite=error_if_nonfinite)
-        return torch.tensor(total, dtype=torch.float32, device=self._records[0].local().device)
 
     def add_param_group(self, param_group) -> None:
         raise RuntimeError(

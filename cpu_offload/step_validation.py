@@ -2,7 +2,13 @@
 # non-finite guard, decided after the window's chunks were already stepped.
 #
 # The chunks are stepped during backward with the window's factor known so far
-# (1, or one announced before the last backward). Once the last pass drained:
+# (1, or one announced before the last backward), times the factor the previous
+# window was given after its last backward (its clipping coefficient and
+# scale_grads_ factors): consecutive steps clip and divide by similar numbers, and
+# the rollback's error grows like 2**-24 * (speculative / final factor)**2 for the
+# second moment, so speculating with the last factor keeps it at float32
+# rounding. Steps that never clip keep factor 1 and are never redone. Once the
+# last pass drained:
 #   - a NaN or Inf gradient on any rank (skip_nonfinite): what was stepped is
 #     rolled back (rollback.py) and the step is skipped. The chunk runner stops
 #     stepping at the first non-finite chunk, so after a NaN loss nothing was
@@ -55,10 +61,12 @@ class StepValidator:
         self._stacklevel = stacklevel
         self.skipped_steps = 0
         self._warned_at = -math.inf
+        self.predicted = 1.0  # the factor the last window was given after its last backward
         self.open_window()
 
     def open_window(self) -> None:
         self.scale = 1.0  # the factor on this window's gradients (clip coefficients, scale_grads_)
+        self.late = 1.0  # the part of it given after the window's last backward started
         self.skipped = False
         self._norms: dict = {}  # norm_type -> norm of the window's unscaled gradients
         self.grad_norm: Optional[float] = None  # the last norm computed in this window (scaled)
@@ -82,9 +90,10 @@ class StepValidator:
             self._norms[norm_type] = total_norm(list(zip(recs, local)), norm_type)
         return self.scale * self._norms[norm_type]
 
-    def clip(self, max_norm: float, norm_type: float, *, error_if_nonfinite: bool = False) -> float:
+    def clip(self, max_norm: float, norm_type: float, *, late: bool, error_if_nonfinite: bool = False) -> float:
         """torch.nn.utils.clip_grad_norm_ on the window: returns the total norm and
-        multiplies the window's factor by the clipping coefficient."""
+        multiplies the window's factor by the clipping coefficient (``late``: after
+        the window's last backward started)."""
         total = self.norm(norm_type)
         if error_if_nonfinite and not math.isfinite(total):
             raise RuntimeError(
@@ -92,11 +101,21 @@ class StepValidator:
                 "clipped; with error_if_nonfinite=False this step would be skipped (skip_nonfinite) instead")
         self.grad_norm, self.clip_coef = total, clip_coefficient(max_norm, total)
         if math.isfinite(total):
-            self.scale *= self.clip_coef
+            self.rescale(self.clip_coef, late=late)
         return total
 
-    def rescale(self, factor: float) -> None:
+    def close_window(self) -> None:
+        self.predicted = self.late
+        self.open_window()
+
+    def rescale(self, factor: float, *, late: bool) -> None:
         self.scale *= factor
+        if late:
+            self.late *= factor
+
+    def speculative_scale(self) -> float:
+        """The factor the window's last backward steps with."""
+        return self.scale * self.predicted
 
     # ------------------------------------------------------- after the last pass
     def after_final_pass(self) -> None:
@@ -114,7 +133,7 @@ class StepValidator:
                 self._skip()
             return
         if self.max_grad_norm is not None:
-            self.clip(self.max_grad_norm, 2.0)
+            self.clip(self.max_grad_norm, 2.0, late=True)
             self.apply()
 
     def apply(self) -> None:

@@ -15,8 +15,8 @@ from test_full_offload import SMALL, batches, build, capture
 
 STEPS = 20
 LOSS_SCALES = [0.5, 2.0, 1.0, 3.0, 0.3, 1.5]  # varies the norm so that some steps clip and others do not
-# Norms up to 50x max_norm: the rollback's documented bound for the second moment
-# (its error grows like 2**-24 / clip_coef**2 on a heavily clipped step) applies.
+# Norms up to 50x max_norm, changing 10-40x from step to step: the speculative step's
+# factor (the last step's coefficient) is far from the final one.
 HEAVY_LOSS_SCALES = [0.3, 4.0, 1.0, 12.0, 0.1, 2.5]
 
 
@@ -62,9 +62,9 @@ def torch_replay(kind, init, history, clip):
     return params, ref, norms
 
 
-@pytest.mark.parametrize("scales, clip, v_tol", [(LOSS_SCALES, 0.25, 1e-5), (HEAVY_LOSS_SCALES, 0.5, 3e-5)])
+@pytest.mark.parametrize("scales, clip", [(LOSS_SCALES, 0.25), (HEAVY_LOSS_SCALES, 0.5)])
 @pytest.mark.parametrize("k", [1, 2])
-def test_clipped_steps_match_torch(k, scales, clip, v_tol):
+def test_clipped_steps_match_torch(k, scales, clip):
     model, off, init, history, norms = train("adamw", k, STEPS, clip=clip, loss_scale=lambda s: scales[s % len(scales)])
     params, ref, ref_norms = torch_replay("adamw", init, history, clip)
     clipped = sum(float(n) > clip for n in ref_norms)
@@ -79,7 +79,7 @@ def test_clipped_steps_match_torch(k, scales, clip, v_tol):
         assert normwise(rec.master.view(rec.shape), params[n].detach()) < 1e-5, n
         if "exp_avg" in st:
             assert normwise(rec.exp_avg.view(rec.shape), st["exp_avg"]) < 1e-5, n
-            assert normwise(rec.exp_avg_sq.view(rec.shape), st["exp_avg_sq"]) < v_tol, n
+            assert normwise(rec.exp_avg_sq.view(rec.shape), st["exp_avg_sq"]) < 1e-5, n
         assert torch.equal(rec.param.detach(), rec.master.view(rec.shape).to(torch.bfloat16)), n
     assert off.stats()["clip_coef"] is not None and off.stats()["skipped_steps"] == 0
 

@@ -1,0 +1,99 @@
+# What a training loop can say about the coming optimizer step of full offload,
+# in torch's vocabulary: how many backward passes the window has
+# (``grad_accum_steps``, settable per window), a factor on its gradients
+# (``scale_grads_``) and global-norm clipping (``clip_grad_norm_``).
+#
+# A factor known before the window's last backward starts is free: the kernels
+# apply it as they step. One given after it (the update already ran during
+# backward) is applied at ``step()`` by a rollback and a redo (step_validation.py).
+#
+# Scope: these three public controls and their argument checks. Non-goals: the
+# protocol (full_offload.py), the norm and redo mechanics (step_validation.py).
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from cpu_offload.grad_norms import check_norm_type
+
+__all__ = ["WindowControls"]
+
+
+class WindowControls:
+    """Mixed into FullCPUOffloadOptimizer (uses its ``_proto``, ``_validator``, ``_enter``)."""
+
+    @property
+    def grad_accum_steps(self) -> int:
+        """Backward passes of the coming window; the last one runs the optimizer.
+
+        Set it before a window's first backward pass when the number of
+        micro-batches varies from step to step (or later in the window, while its
+        last pass has not started yet). A window longer than 1 needs the host
+        accumulators, which exist when the optimizer was built with
+        ``grad_accum_steps > 1`` (build it with the largest count you use).
+        """
+        return self._proto.window
+
+    @grad_accum_steps.setter
+    def grad_accum_steps(self, value: int) -> None:
+        from cpu_offload.full_offload import Phase
+
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise ValueError(f"grad_accum_steps must be an int >= 1, got {value!r}")
+        self._enter()
+        phase = self._proto.phase
+        if value > 1 and not self._accumulate:
+            raise ValueError(f"grad_accum_steps={value} needs host accumulators, which this optimizer was built "
+                             "without: pass the largest grad_accum_steps you will use when wrapping the optimizer")
+        if phase in (Phase.BACKWARD, Phase.APPLIED):
+            raise RuntimeError(f"grad_accum_steps can only be set between windows or between backward passes "
+                               f"(now {phase.value}); set it before the window's first backward pass")
+        if phase is Phase.ACCUMULATING and value <= self._proto.micro:
+            raise ValueError(f"grad_accum_steps={value}, but this window already ran {self._proto.micro} backward "
+                             "passes; call step() to end it")
+        self._proto.window = value
+
+    def scale_grads_(self, factor: float) -> None:
+        """Multiply every gradient of the window by ``factor`` (> 0), like
+        ``p.grad.mul_(factor)`` for every parameter in torch.
+
+        Before the window's last backward pass it costs nothing (the kernels
+        scale as they step); after it, ``step()`` rolls the update back and
+        redoes it, unless the previous window was given the same factor after
+        its last backward (the next window speculates with that one). Factors
+        multiply; clipping afterwards sees the scaled norm.
+        """
+        from cpu_offload.full_offload import Phase
+
+        factor = float(factor)
+        if not (math.isfinite(factor) and factor > 0):
+            raise ValueError(f"factor must be a finite number > 0, got {factor!r}")
+        self._enter()
+        if self._proto.phase is Phase.BACKWARD:
+            raise RuntimeError("scale_grads_() called during a backward pass")
+        self._validator.rescale(factor, late=self._proto.phase is Phase.APPLIED)
+
+    def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0, error_if_nonfinite: bool = False,
+                        foreach=None) -> torch.Tensor:
+        """``torch.nn.utils.clip_grad_norm_`` over the gradients of the coming step.
+
+        Call it after the window's last backward pass (or after fewer, before a
+        short window's ``step()``), where a script would clip ``param.grad``.
+        Returns the total norm over every gradient of the step (all ranks) as a
+        0-d float32 tensor on the parameters' device; ``step()`` applies
+        ``min(1, max_norm / (total + 1e-6))`` to all of them. ``foreach`` is
+        accepted for torch's signature and ignored.
+        """
+        from cpu_offload.full_offload import Phase
+
+        max_norm = float(max_norm)
+        p = check_norm_type(norm_type)
+        self._enter()
+        if self._proto.phase is Phase.BACKWARD:
+            raise RuntimeError("clip_grad_norm_() called during a backward pass; call it after backward()")
+        total = 0.0 if self._proto.phase is Phase.IDLE else \
+            self._validator.clip(max_norm, p, late=self._proto.phase is Phase.APPLIED,
+                                 error_if_nonfinite=error_if_nonfinite)
+        return torch.tensor(total, dtype=torch.float32, device=self._records[0].local().device)

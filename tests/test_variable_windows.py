@@ -1,0 +1,135 @@
+# Accumulation windows whose length is set per step (grad_accum_steps), and
+# scale_grads_ before or after the last backward: the loop of RL/SFT trainers
+# (a varying number of micro-batches, a divide factor, clipping, step) against
+# torch.optim.AdamW fed the same gradients.
+import pytest
+import torch
+import torch.nn as nn
+
+from cpu_offload.full_offload import FullCPUOffloadOptimizer
+from test_clipping import normwise
+from test_full_offload import SMALL, build, capture
+
+COUNTS = [1, 3, 2, 5]  # micro-batches per step
+CLIP = 0.3
+
+
+def micro_batch(step, m):
+    return torch.randn(4, 24, generator=torch.Generator().manual_seed(100 * step + m))
+
+
+def divide_factor(count):
+    return 1.0 / (count * 4)  # e.g. one over the step's tokens
+
+
+def loop_step(model, off, step, count, *, announce: bool):
+    """One step of the trainer's loop; ``announce``: the factor is given before the backward passes."""
+    off.grad_accum_steps = count
+    if announce:
+        off.scale_grads_(divide_factor(count))
+    for m in range(count):
+        model(micro_batch(step, m).to(torch.bfloat16)).float().pow(2).sum().backward()
+    if not announce:
+        off.scale_grads_(divide_factor(count))
+    norm = float(off.clip_grad_norm_(CLIP))
+    off.step()
+    off.zero_grad()
+    return norm
+
+
+def torch_replay(init, history, counts):
+    """torch.optim.AdamW on fp32 copies: sum, divide, clip, step."""
+    model, opt = build("adamw")
+    params = {n: nn.Parameter(init[n].float().clone()) for n, _ in model.named_parameters()}
+    by_id = {id(p): n for n, p in model.named_parameters()}
+    groups = [{**{k: v for k, v in g.items() if k != "params"},
+               "params": [params[by_id[id(p)]] for p in g["params"] if p.requires_grad]} for g in opt.param_groups]
+    ref = torch.optim.AdamW(groups, lr=groups[0]["lr"])
+    norms = []
+    for grads, count in zip(history, counts):
+        for n, p in params.items():
+            p.grad = sum(grads[n][1:], grads[n][0].clone()).mul_(divide_factor(count)) if n in grads else None
+        norms.append(float(torch.nn.utils.clip_grad_norm_([p for p in params.values() if p.grad is not None], CLIP)))
+        ref.step()
+    return params, ref, norms
+
+
+@pytest.mark.parametrize("announce", [True, False])
+def test_variable_windows_with_scaling_and_clipping_match_torch(announce):
+    model, opt = build("adamw")
+    init = {n: p.detach().clone() for n, p in model.named_parameters()}
+    grads = capture(model)
+    off = FullCPUOffloadOptimizer(opt, grad_accum_steps=max(COUNTS), **SMALL)
+    history, norms = [], []
+    for s, count in enumerate(COUNTS):
+        grads.clear()
+        norms.append(loop_step(model, off, s, count, announce=announce))
+        assert off.stats()["backward_passes"] == count
+        history.append({n: list(g) for n, g in grads.items()})
+    params, ref, ref_norms = torch_replay(init, history, COUNTS)
+    for ours, theirs in zip(norms, ref_norms):
+        assert abs(ours - theirs) <= 1e-6 * theirs
+    assert sum(n > CLIP for n in ref_norms) >= 2  # clipping active
+    by_id = {id(p): n for n, p in model.named_parameters()}
+    for rec in off._records:
+        n = by_id[id(rec.param)]
+        st = ref.state.get(params[n], {})
+        assert normwise(rec.master.view(rec.shape), params[n].detach()) < 1e-5, n
+        if st:
+            assert normwise(rec.exp_avg.view(rec.shape), st["exp_avg"]) < 1e-5, n
+            assert normwise(rec.exp_avg_sq.view(rec.shape), st["exp_avg_sq"]) < 1e-5, n
+
+
+def test_announced_factor_is_free_and_equals_a_scaled_loss():
+    """A factor given before the last backward runs no redo and equals scaling the loss."""
+    a_model, a_opt = build("adamw")
+    b_model, b_opt = build("adamw")
+    a = FullCPUOffloadOptimizer(a_opt, grad_accum_steps=2, **SMALL)
+    b = FullCPUOffloadOptimizer(b_opt, grad_accum_steps=2, **SMALL)
+    rollbacks = []
+    real = a._validator._rollback
+    a._validator._rollback = lambda stepped: rollbacks.append(len(stepped)) or real(stepped)
+    for s in range(3):
+        a.scale_grads_(0.25)
+        for m in range(2):
+            a_model(micro_batch(s, m).to(torch.bfloat16)).float().pow(2).sum().backward()
+            (b_model(micro_batch(s, m).to(torch.bfloat16)).float().pow(2).sum() * 0.25).backward()
+        a.step()
+        b.step()
+    for ra, rb in zip(a._records, b._records):
+        torch.testing.assert_close(ra.master, rb.master, rtol=1e-6, atol=1e-7)
+    assert rollbacks == []  # no redo: the kernels applied the factor
+    assert a.stats()["backward_passes"] == 2
+
+
+def test_window_length_errors():
+    model, opt = build("adamw")
+    one = FullCPUOffloadOptimizer(opt, **SMALL)
+    with pytest.raises(ValueError, match="host accumulators"):
+        one.grad_accum_steps = 2
+    with pytest.raises(ValueError, match="int >= 1"):
+        one.grad_accum_steps = 0
+    with pytest.raises(ValueError, match="factor"):
+        one.scale_grads_(0.0)
+    with pytest.raises(ValueError, match="factor"):
+        one.scale_grads_(float("nan"))
+    one.close()
+    model, opt = build("adamw")
+    off = FullCPUOffloadOptimizer(opt, grad_accum_steps=4, **SMALL)
+    off.grad_accum_steps = 3
+    for m in range(2):
+        model(micro_batch(0, m).to(torch.bfloat16)).float().pow(2).sum().backward()
+    with pytest.raises(ValueError, match="already ran 2 backward passes"):
+        off.grad_accum_steps = 2
+    off.grad_accum_steps = 2 + 1  # still longer than what ran: allowed
+    model(micro_batch(0, 2).to(torch.bfloat16)).float().pow(2).sum().backward()
+    with pytest.raises(RuntimeError, match="between windows"):
+        off.grad_accum_steps = 4
+    off.step()
+    assert off.stats()["backward_passes"] == 3
+    off.grad_accum_steps = 1  # a window of one with accumulators
+    model(micro_batch(1, 0).to(torch.bfloat16)).float().pow(2).sum().backward()
+    with pytest.raises(RuntimeError, match="already applied its update"):
+        model(micro_batch(1, 1).to(torch.bfloat16)).float().pow(2).sum().backward()
+    off.step()
+    assert off.stats()["backward_passes"] == 1
