@@ -20,8 +20,18 @@
 # A moment whose beta is 0 carries no information about its old value: it comes
 # back as 0, which no later step reads.
 #
-# Scope: the inverse arithmetic on flat fp32 host views. Non-goals: deciding
-# when to roll back (step_validation.py), fetching the gradients.
+# NOTE: with bf16 moments (state_dtype) the forward step used the unrounded fp32
+# m1, v1 and stored them rounded; the inverse can only read the rounded ones. It
+# computes in fp32 from them and the copy back rounds m0, v0 to bf16. The update
+# u it recomputes is then off by up to about 2**-8 of |u| (not the same bits), so
+# the master comes back within about |u| * 2**-8 instead of one ulp, and each
+# moment within about one bf16 ulp of its terms (the stored rounding, divided by
+# beta, rounded again). A skipped step's moments are therefore not bit-identical
+# to before it when something had been stepped; a NaN loss steps nothing.
+#
+# Scope: the inverse arithmetic on flat host views (fp32 masters, fp32 or bf16
+# moments). Non-goals: deciding when to roll back (step_validation.py),
+# fetching the gradients.
 
 from __future__ import annotations
 
@@ -41,7 +51,7 @@ def rollback_adamw_(param, grad, exp_avg, exp_avg_sq, step: int, *, lr, beta1, b
     bc2_sqrt = math.sqrt(1.0 - beta2 ** step)
     decay = 1.0 - lr * weight_decay
     g = grad.float() * _f32(grad_scale, param)
-    m1, v1 = exp_avg, exp_avg_sq
+    m1, v1 = exp_avg.float(), exp_avg_sq.float()  # bf16 moments: widened exactly
     u = (_f32(-(lr * bc2_sqrt / bias_correction1), param) * m1) / (_sqrt_f32(v1) + _f32(eps * bc2_sqrt, param))
     p = param - u                                                                   # p' = p0 * decay
     if decay != 0.0:
