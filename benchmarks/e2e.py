@@ -9,6 +9,7 @@
 #                           enabled on steps that never clip (the mechanism's cost)
 #   full+clip_all           full, with a max_norm of 1e-6: every step is rolled back and
 #                           redone with the clipping coefficient (the cost of a clipped step)
+#   full_bf16               full, with AdamW's moments stored in bf16 (state_dtype)
 #   torchao                 torchao.optim.CPUOffloadOptimizer (fused CPU AdamW,
 #                           offload_gradients=True) on the plain, unsharded model under
 #                           bf16 autocast: it supports single-GPU training only
@@ -46,6 +47,10 @@ from e2e_report import (LABELS, MODES, build_report, format_table, plot,  # noqa
 # The report functions are re-exported: one module to import for the whole benchmark.
 # The max_norm each clipping mode passes to the example's clip_gradients().
 CLIP_NORMS = {"full+clip": 1e6, "full+clip_all": 1e-6}
+# The cpu_offload modes: mode -> (offload=, state_dtype name) for the example's build_optimizer().
+OFFLOAD_OPTIONS = {"none": ("none", "float32"), "optimizer": ("optimizer", "float32"), "full": ("full", "float32"),
+                   "full+clip": ("full", "float32"), "full+clip_all": ("full", "float32"),
+                   "full_bf16": ("full", "bfloat16")}
 
 __all__ = ["LABELS", "MODES", "build_report", "format_table", "plot", "summarize", "summary_lines",
            "write_json", "exposed_wait", "host_bandwidth_gbs", "run_config", "worker", "main"]
@@ -101,9 +106,11 @@ def _build(ex, mode: str, mcfg, device, cfg: dict):
     """Model, optimizer and autocast dtype for one mode."""
     import torch
     lr, wd = cfg["lr"], cfg["weight_decay"]
-    if mode in ("none", "optimizer", "full", "full+clip", "full+clip_all"):
+    if mode in OFFLOAD_OPTIONS:
+        offload, state_dtype = OFFLOAD_OPTIONS[mode]
         model = ex.build_model(mcfg, device, seed=cfg["seed"])
-        opt = ex.build_optimizer(model, name="adamw", lr=lr, weight_decay=wd, offload=mode.split("+")[0], grad_accum=1)
+        opt = ex.build_optimizer(model, name="adamw", lr=lr, weight_decay=wd, offload=offload, grad_accum=1,
+                                 state_dtype=getattr(torch, state_dtype))
         return model, opt, None
     if mode == "torchao":
         from torchao.optim import CPUOffloadOptimizer

@@ -11,13 +11,14 @@ import math
 import statistics
 from typing import Optional
 
-MODES = ("none", "optimizer", "full", "full+clip", "full+clip_all", "torchao", "fsdp_cpu")
+MODES = ("none", "optimizer", "full", "full+clip", "full+clip_all", "full_bf16", "torchao", "fsdp_cpu")
 LABELS = {
     "none": "none",
     "optimizer": "optimizer",
     "full": "full",
     "full+clip": "full + clip_grad_norm_ (never clips)",
     "full+clip_all": "full + clip_grad_norm_ (clips every step)",
+    "full_bf16": "full, bf16 moments",
     "torchao": "torchao CPUOffloadOptimizer",
     "fsdp_cpu": "FSDP2 CPUOffloadPolicy",
 }

@@ -1,5 +1,8 @@
 # Checkpoints of full offload: the optimizer state in torch's optimizer-state
-# format, keyed like the wrapped optimizer, with the fp32 masters added.
+# format, keyed like the wrapped optimizer, with the fp32 masters added. The
+# moments are saved in the dtype they are stored in (fp32 or bf16, state_dtype)
+# and loaded from either: copied into the stored dtype, rounded to nearest even
+# exactly as ``.to(torch.bfloat16)`` when that is bf16.
 #
 # Scope: ``state`` views, ``state_dict()`` and ``load_state_dict()`` of
 # FullCPUOffloadOptimizer; for FSDP2 the tensors are DTensors over the host
@@ -122,7 +125,8 @@ def load_state_dict(opt, sd: dict) -> None:
 
     An entry without ``"master"`` (a plain torch AdamW state_dict) takes its
     master from the parameter's current values (kept when those are just the
-    rounded master: the master is the more precise copy of them).
+    rounded master: the master is the more precise copy of them). Moments of
+    either float dtype load into the stored one (``copy_`` converts).
     """
     plan = _validate(opt, sd)
     with torch.no_grad():

@@ -144,6 +144,10 @@ class FullCPUOffloadOptimizer(WindowControls, torch.optim.Optimizer):
             ``WindowControls.grad_accum_steps``).
         compute_dtype: dtype of the compute copy, ``torch.bfloat16`` (default)
             or ``torch.float32``.
+        state_dtype: dtype of AdamW's two moments in host RAM, ``torch.float32``
+            (default) or ``torch.bfloat16`` (8 instead of 12 B per parameter;
+            masters stay fp32; each step computes in fp32 and rounds the moments
+            to bf16 afterwards, which torch.optim.AdamW does not). AdamW only.
         keep_fp32: parameters whose compute copy stays fp32.
         pinned_bytes: total size of the two staging rings (default 512 MiB).
         num_slots: slots per ring (default 4).
@@ -163,6 +167,7 @@ class FullCPUOffloadOptimizer(WindowControls, torch.optim.Optimizer):
         *,
         grad_accum_steps: int = 1,
         compute_dtype: torch.dtype = torch.bfloat16,
+        state_dtype: torch.dtype = torch.float32,
         keep_fp32: Iterable[torch.Tensor] = (),
         pinned_bytes: int = 512 * _MIB,
         num_slots: int = 4,
@@ -173,8 +178,8 @@ class FullCPUOffloadOptimizer(WindowControls, torch.optim.Optimizer):
     ) -> None:
         self._proto = _Protocol()  # CLOSED until fully constructed
         self._algorithm = check_optimizer(optimizer)
-        check_options(grad_accum_steps=grad_accum_steps, compute_dtype=compute_dtype, num_slots=num_slots,
-                      pinned_bytes=pinned_bytes, timeout_s=timeout_s)
+        check_options(algorithm=self._algorithm, grad_accum_steps=grad_accum_steps, compute_dtype=compute_dtype,
+                      state_dtype=state_dtype, num_slots=num_slots, pinned_bytes=pinned_bytes, timeout_s=timeout_s)
         max_grad_norm = check_clipping_options(max_grad_norm=max_grad_norm, skip_nonfinite=skip_nonfinite)
         tracking = skip_nonfinite or max_grad_norm is not None
         records, frozen = collect_records(optimizer)
@@ -187,10 +192,11 @@ class FullCPUOffloadOptimizer(WindowControls, torch.optim.Optimizer):
         slot_bytes = staging_slot_bytes(records, keep, compute_dtype, pinned_bytes=pinned_bytes, num_slots=num_slots)
         moments = self._algorithm == "adamw"
         accumulate = grad_accum_steps > 1
-        check_host_ram(host_bytes_needed(records, moments=moments, accumulate=accumulate), 2 * num_slots * slot_bytes)
+        check_host_ram(host_bytes_needed(records, moments=moments, accumulate=accumulate, state_dtype=state_dtype),
+                       2 * num_slots * slot_bytes)
 
         self.binding = bind_for(device, sysfs_root)  # before any host state is touched
-        self._host = allocate_host_state(records, moments=moments, accumulate=accumulate)
+        self._host = allocate_host_state(records, moments=moments, accumulate=accumulate, state_dtype=state_dtype)
         transfer = make_transfer(device)
         # NOTE: the pinned rings are allocated before anything touches the model,
         # so a failed allocation leaves the parameters as they were.

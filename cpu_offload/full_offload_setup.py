@@ -42,11 +42,17 @@ def check_optimizer(optimizer) -> str:
     )
 
 
-def check_options(*, grad_accum_steps, compute_dtype, num_slots, pinned_bytes, timeout_s) -> None:
+def check_options(*, algorithm: str, grad_accum_steps, compute_dtype, state_dtype, num_slots, pinned_bytes,
+                  timeout_s) -> None:
     if isinstance(grad_accum_steps, bool) or not isinstance(grad_accum_steps, int) or grad_accum_steps < 1:
         raise ValueError(f"grad_accum_steps must be an int >= 1, got {grad_accum_steps!r}")
     if compute_dtype not in (torch.bfloat16, torch.float32):
         raise ValueError(f"compute_dtype must be torch.bfloat16 or torch.float32, got {compute_dtype}")
+    if state_dtype not in (torch.float32, torch.bfloat16):
+        raise ValueError(f"state_dtype must be torch.float32 or torch.bfloat16, got {state_dtype!r}")
+    if state_dtype == torch.bfloat16 and algorithm != "adamw":
+        raise ValueError("state_dtype=torch.bfloat16 stores AdamW's moments in bf16; SignSGD keeps no moments, "
+                         "so leave state_dtype at torch.float32 (the default)")
     if isinstance(num_slots, bool) or not isinstance(num_slots, int) or num_slots < 1:
         raise ValueError(f"num_slots must be an int >= 1, got {num_slots!r}")
     if isinstance(pinned_bytes, bool) or not isinstance(pinned_bytes, int) or pinned_bytes < 2 * num_slots * 4096:

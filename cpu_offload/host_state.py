@@ -1,7 +1,7 @@
 # Host-side optimizer state for full offload: one record per trainable
-# parameter, the flat fp32 host buffers (masters, moments, accumulators), the
-# host RAM check, and the in-place cast of the model's parameters to their
-# compute dtype.
+# parameter, the flat host buffers (fp32 masters and accumulators; moments in
+# fp32 or bf16), the host RAM check, and the in-place cast of the model's
+# parameters to their compute dtype.
 #
 # Scope: construction-time bookkeeping shared by full_offload.py, pipeline.py
 # and checkpoint.py.
@@ -45,8 +45,8 @@ class ParamRecord:
     shape: torch.Size
     is_dtensor: bool
     master: Optional[torch.Tensor] = None  # fp32 flat host view
-    exp_avg: Optional[torch.Tensor] = None  # m, fp32 flat host view (AdamW)
-    exp_avg_sq: Optional[torch.Tensor] = None  # v, fp32 flat host view (AdamW)
+    exp_avg: Optional[torch.Tensor] = None  # m, flat host view in the state dtype (AdamW)
+    exp_avg_sq: Optional[torch.Tensor] = None  # v, flat host view in the state dtype (AdamW)
     accum: Optional[torch.Tensor] = None  # fp32 flat host view (grad_accum_steps > 1)
     step: int = 0  # completed optimizer steps: grows exactly when the master changed
     version: int = -1  # the compute copy's version counter after the library last wrote it
@@ -159,9 +159,11 @@ def _padded(n: int) -> int:
     return (n + _ALIGN_ELEMS - 1) // _ALIGN_ELEMS * _ALIGN_ELEMS
 
 
-def host_bytes_needed(records: list[ParamRecord], *, moments: bool, accumulate: bool) -> int:
+def host_bytes_needed(records: list[ParamRecord], *, moments: bool, accumulate: bool,
+                      state_dtype: torch.dtype = torch.float32) -> int:
+    """Bytes of the host buffers: fp32 master (+ fp32 accumulator), two moments in ``state_dtype``."""
     total = sum(_padded(r.numel) for r in records)
-    per_elem = 4 * (1 + (2 if moments else 0) + (1 if accumulate else 0))
+    per_elem = 4 + (2 * state_dtype.itemsize if moments else 0) + (4 if accumulate else 0)
     return total * per_elem
 
 
@@ -176,17 +178,21 @@ def check_host_ram(needed: int, pinned: int) -> None:
         )
 
 
-def allocate_host_state(records: list[ParamRecord], *, moments: bool, accumulate: bool) -> HostBuffers:
-    """Allocate flat fp32 buffers and give each record its views; copy the masters.
+def allocate_host_state(records: list[ParamRecord], *, moments: bool, accumulate: bool,
+                        state_dtype: torch.dtype = torch.float32) -> HostBuffers:
+    """Allocate flat buffers (masters and accumulators fp32, moments in
+    ``state_dtype``) and give each record its views; copy the masters.
 
     NOTE: the caller binds the process to its CPU set before this runs, so the
     first touch below (the zero fill and the master copy) places the pages on
-    the NUMA node of the threads that will update them.
+    the NUMA node of the threads that will update them. Views start at a
+    multiple of 16 elements (64 bytes of fp32, 32 of bf16); the kernels need
+    no alignment.
     """
     total = sum(_padded(r.numel) for r in records)
     master = torch.empty(total, dtype=torch.float32)
-    exp_avg = torch.zeros(total, dtype=torch.float32) if moments else None
-    exp_avg_sq = torch.zeros(total, dtype=torch.float32) if moments else None
+    exp_avg = torch.zeros(total, dtype=state_dtype) if moments else None
+    exp_avg_sq = torch.zeros(total, dtype=state_dtype) if moments else None
     accum = torch.zeros(total, dtype=torch.float32) if accumulate else None
     off = 0
     for r in records:

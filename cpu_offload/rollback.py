@@ -20,15 +20,24 @@
 # A moment whose beta is 0 carries no information about its old value: it comes
 # back as 0, which no later step reads.
 #
-# Scope: the inverse arithmetic on flat fp32 host views. Non-goals: deciding
-# when to roll back (step_validation.py), fetching the gradients.
+# NOTE: with bf16 moments (state_dtype) the forward step used the unrounded fp32
+# m1, v1 and stored them rounded; the inverse can only read the rounded ones. It
+# computes in fp32 from them and the copy back rounds m0, v0 to bf16. The update
+# u it recomputes is then off by up to about 2**-8 of |u| (not the same bits), so
+# the master comes back within about |u| * 2**-8 instead of one ulp, and each
+# moment within about one bf16 ulp of its terms (the stored rounding, divided by
+# beta, rounded again). A skipped step's moments are therefore not bit-identical
+# to before it when something had been stepped; a NaN loss steps nothing.
+#
+# Scope: the inverse arithmetic on flat host views (fp32 masters, fp32 or bf16
+# moments). Non-goals: deciding when to roll back (step_validation.py),
+# fetching the gradients.
 
 from __future__ import annotations
 
 import math
 
 import torch
-
 
 __all__ = ["rollback_adamw_", "rollback_sign_sgd_"]
 
@@ -47,20 +56,25 @@ def rollback_adamw_(param, grad, exp_avg, exp_avg_sq, step: int, *, lr, beta1, b
     g = grad.to(torch.float32, copy=True)
     if grad_scale != 1.0:
         g.mul_(grad_scale)
-    u = torch.sqrt(exp_avg_sq).add_(eps * bc2_sqrt)                  # sqrt(v1) + eps_hat
-    u = torch.mul(exp_avg, -(lr * bc2_sqrt / bias_correction1)).div_(u)   # nss*m1/denom
-    param.sub_(u)                                                     # p' = p0 * decay
+    m1 = exp_avg if exp_avg.dtype == torch.float32 else exp_avg.float()  # bf16 moments: widened exactly
+    v1 = exp_avg_sq if exp_avg_sq.dtype == torch.float32 else exp_avg_sq.float()
+    u = torch.sqrt(v1).add_(eps * bc2_sqrt)                                # sqrt(v1) + eps_hat
+    u = torch.mul(m1, -(lr * bc2_sqrt / bias_correction1)).div_(u)         # nss*m1/denom
+    param.sub_(u)                                                          # p' = p0 * decay
     if decay != 0.0:
         param.div_(decay)
     if beta1 > 0:
-        exp_avg.sub_(torch.mul(g, 1.0 - beta1, out=u)).div_(beta1)   # m0 = (m1 - (1-b1)*g)/b1
+        m1.sub_(torch.mul(g, 1.0 - beta1, out=u)).div_(beta1)         # m0 = (m1 - (1-b1)*g)/b1
     else:
-        exp_avg.zero_()
+        m1.zero_()
     if beta2 > 0:
         torch.mul(g, 1.0 - beta2, out=u).mul_(g)                       # (1-b2)*g*g
-        exp_avg_sq.sub_(u).div_(beta2).clamp_(min=0.0)                 # v0 = max((v1 - (1-b2)*g*g)/b2, 0)
+        v1.sub_(u).div_(beta2).clamp_(min=0.0)                         # v0 = max((v1 - (1-b2)*g*g)/b2, 0)
     else:
-        exp_avg_sq.zero_()
+        v1.zero_()
+    if m1 is not exp_avg:  # bf16 moments: the copy back rounds like .to(torch.bfloat16)
+        exp_avg.copy_(m1)
+        exp_avg_sq.copy_(v1)
 
 
 def rollback_sign_sgd_(param, grad, *, lr, weight_decay) -> None:

@@ -1,9 +1,12 @@
-# The Llama-style decoder that examples/train_fsdp.py trains (and benchmarks/e2e.py measures).
+# The Llama-style decoder that examples/train_fsdp.py trains (and benchmarks/e2e.py and
+# benchmarks/capacity.py measure).
 #
 # Scope: the model in plain torch: RMSNorm, causal attention through
 # scaled_dot_product_attention, optional rotary embeddings, SwiGLU MLP, tied or untied head,
-# GPT-2 style initialisation. Non-goals: sharding and training (train_fsdp.py), KV caches,
-# generation, loading pretrained weights.
+# GPT-2 style initialisation, and materialising a model built on the meta device one
+# parameter at a time in a chosen dtype (for models whose fp32 copy must never exist).
+# Non-goals: sharding and training (train_fsdp.py), KV caches, generation, loading
+# pretrained weights.
 
 from __future__ import annotations
 
@@ -15,7 +18,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 __all__ = ["ModelConfig", "RMSNorm", "rotary_tables", "apply_rotary", "Attention", "SwiGLU", "Block",
-           "Transformer", "count_parameters"]
+           "Transformer", "init_parameter_", "materialize_", "count_parameters"]
 
 
 @dataclass
@@ -119,14 +122,8 @@ class Transformer(nn.Module):
 
     @torch.no_grad()
     def reset_parameters(self, std: float = 0.02) -> None:
-        # GPT-2 style: N(0, std) everywhere, residual output projections scaled down
-        # by sqrt(2 * n_layers) so the residual stream's variance stays bounded.
-        out_std = std / math.sqrt(2 * self.cfg.n_layers)
         for name, p in self.named_parameters():
-            if p.dim() < 2:
-                continue  # RMSNorm weights stay at 1
-            is_out = name.endswith("attn.proj.weight") or name.endswith("mlp.down.weight")
-            nn.init.normal_(p, 0.0, out_std if is_out else std)
+            init_parameter_(name, p, n_layers=self.cfg.n_layers, std=std)
 
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:
         x = self.embed(tokens)
@@ -135,6 +132,44 @@ class Transformer(nn.Module):
         x = self.norm(x)
         weight = self.embed.weight if self.head is None else self.head.weight
         return F.linear(x, weight)
+
+
+@torch.no_grad()
+def init_parameter_(name: str, p: torch.Tensor, *, n_layers: int, std: float = 0.02) -> None:
+    """Initialise the Transformer parameter called `name` in place. GPT-2 style: N(0, std)
+    for matrices and embeddings, residual output projections scaled down by
+    sqrt(2 * n_layers) so the residual stream's variance stays bounded; RMSNorm weights 1."""
+    if p.dim() < 2:
+        p.fill_(1.0)
+        return
+    is_out = name.endswith("attn.proj.weight") or name.endswith("mlp.down.weight")
+    nn.init.normal_(p, 0.0, std / math.sqrt(2 * n_layers) if is_out else std)
+
+
+@torch.no_grad()
+def materialize_(model: Transformer, device: torch.device, dtype: torch.dtype, *, std: float = 0.02) -> Transformer:
+    """Give a Transformer built on the meta device real parameters on `device` in `dtype`,
+    one at a time, initialised by the rule of reset_parameters (the same distribution, not
+    the same random draws); the rotary tables are computed in fp32 as at construction.
+
+    NOTE: each parameter is allocated and drawn directly in `dtype` on `device`, so no
+    copy of the model in another dtype or on another device ever exists: the peak is the
+    model itself. Call it before sharding; re-seed first for reproducible weights.
+    """
+    done: dict = {}
+    for prefix, module in model.named_modules():
+        for name, p in list(module._parameters.items()):
+            if p is None:
+                continue
+            if id(p) not in done:  # a tied weight is materialised once
+                new = torch.empty(p.shape, dtype=dtype, device=device)
+                init_parameter_(f"{prefix}.{name}" if prefix else name, new, n_layers=model.cfg.n_layers, std=std)
+                done[id(p)] = nn.Parameter(new, requires_grad=p.requires_grad)
+            module._parameters[name] = done[id(p)]
+        if isinstance(module, Attention) and module.rope:
+            cos, sin = rotary_tables(module.head_dim, model.cfg.max_seq_len, model.cfg.rope_base)
+            module.rope_cos, module.rope_sin = cos.to(device), sin.to(device)
+    return model
 
 
 def count_parameters(model: nn.Module) -> int:

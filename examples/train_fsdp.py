@@ -77,7 +77,11 @@ def param_groups(model: nn.Module, weight_decay: float) -> list[dict]:
 
 
 def build_optimizer(model: nn.Module, *, name: str, lr: float, weight_decay: float,
-                    offload: str, grad_accum: int):
+                    offload: str, grad_accum: int, state_dtype: torch.dtype = torch.float32):
+    """AdamW or SignSGD over `model`, wrapped for `offload`; `state_dtype` (AdamW's
+    moments in host RAM) is an option of offload="full" only."""
+    if offload != "full" and state_dtype != torch.float32:
+        raise ValueError(f"state_dtype={state_dtype} needs offload='full', got offload={offload!r}")
     groups = param_groups(model, weight_decay)
     if name == "adamw":
         opt = torch.optim.AdamW(groups, lr=lr, betas=(0.9, 0.95), eps=1e-8)
@@ -87,7 +91,9 @@ def build_optimizer(model: nn.Module, *, name: str, lr: float, weight_decay: flo
         raise ValueError(f"unknown optimizer {name!r}: expected 'adamw' or 'sign_sgd'")
     # NOTE: offload="none" keeps the plain torch optimizer, so the baseline touches no
     # cpu_offload code (offload_optimizer would return it unchanged anyway).
-    if offload != "none":
+    if offload == "full":
+        opt = cpu_offload.offload_optimizer(opt, offload=offload, grad_accum_steps=grad_accum, state_dtype=state_dtype)
+    elif offload != "none":
         opt = cpu_offload.offload_optimizer(opt, offload=offload, grad_accum_steps=grad_accum)
     return opt
 
@@ -322,6 +328,9 @@ def parse_args(argv=None) -> argparse.Namespace:
                    help="cpu_offload mode; none runs plain torch AdamW on the device (the baseline)")
     p.add_argument("--optimizer", choices=["adamw", "sign_sgd"], default="adamw",
                    help="sign_sgd is cpu_offload.SignSGD")
+    p.add_argument("--state-dtype", choices=["float32", "bfloat16"], default="float32",
+                   help="dtype of AdamW's moments in host RAM (--offload full only); bfloat16 rounds them "
+                        "after each step")
     p.add_argument("--steps", type=int, default=20, help="total optimizer steps")
     p.add_argument("--batch-size", type=int, default=4, help="sequences per rank per micro-batch")
     p.add_argument("--seq-len", type=int, default=2048, help="tokens per sequence")
@@ -348,7 +357,10 @@ def parse_args(argv=None) -> argparse.Namespace:
     preset = p.parse_known_args(argv)[0].preset
     if preset is not None:
         p.set_defaults(**PRESETS[preset])
-    return p.parse_args(argv)
+    args = p.parse_args(argv)
+    if args.state_dtype != "float32" and (args.offload != "full" or args.optimizer != "adamw"):
+        p.error("--state-dtype bfloat16 needs --offload full and --optimizer adamw")
+    return args
 
 
 def model_config(args: argparse.Namespace) -> ModelConfig:
@@ -370,10 +382,11 @@ def main(argv=None) -> list[dict]:
         with torch.device("meta"):
             n_params = count_parameters(Transformer(cfg))
         print(f"model {n_params / 1e6:.1f}M params {asdict(cfg)} | world {world} device {device.type} | "
-              f"offload {args.offload} optimizer {args.optimizer} | {args.steps} steps", flush=True)
+              f"offload {args.offload} optimizer {args.optimizer} state_dtype {args.state_dtype} | "
+              f"{args.steps} steps", flush=True)
     model = build_model(cfg, device, seed=args.seed)
-    opt = build_optimizer(model, name=args.optimizer, lr=args.lr, weight_decay=args.weight_decay,
-                          offload=args.offload, grad_accum=args.grad_accum)
+    opt = build_optimizer(model, name=args.optimizer, lr=args.lr, weight_decay=args.weight_decay, offload=args.offload,
+                          grad_accum=args.grad_accum, state_dtype=getattr(torch, args.state_dtype))
     start = load_checkpoint(resolve_checkpoint(args.resume), model, opt) if args.resume else 0
     sched = make_scheduler(opt, lr=args.lr, warmup=min(args.warmup_steps, args.steps),
                            total=args.steps, min_ratio=args.min_lr_ratio, start_step=start)

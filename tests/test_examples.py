@@ -4,9 +4,10 @@
 # in 2 processes, with every --offload mode; a 2-process run saved at step 2 and resumed
 # reproduces step 3 exactly; 1 process × 4 rows and 2 processes × 2 rows see the same
 # samples, so their losses agree; SignSGD gives the same losses with and without full
-# offload; full offload moves the bytes the design says. The model's options (tied head,
-# no rotary embeddings) are checked on the model itself. The quickstart is the README's
-# Usage example and trains in every mode.
+# offload; full offload moves the bytes the design says, and trains alike with bf16
+# moments (--state-dtype). The model's options (tied head, no rotary embeddings) are
+# checked on the model itself. The quickstart is the README's Usage example and trains in
+# every mode.
 #
 # NOTE: to keep the suite fast on a small CI host, each world size is one process per
 # rank that imports torch once and calls the example's main(argv) for every case
@@ -43,6 +44,8 @@ def _cases(world: int, ckpt_root: str) -> list[dict]:
                  for mode in MODES]  # 1 process x 4 rows x 2 micro-batches
         cases += [{"name": f"{mode}_sign_sgd_1p", "argv": ["--offload", mode, "--optimizer", "sign_sgd",
                                                            "--batch-size", "2"]} for mode in ("none", "full")]
+        cases.append({"name": "full_bf16_1p", "argv": ["--offload", "full", "--state-dtype", "bfloat16",
+                                                       "--batch-size", "4", "--grad-accum", "2"]})
         return cases
     cases = []
     for mode in MODES:  # 2 processes x 2 rows x 2 micro-batches: the same samples
@@ -202,6 +205,17 @@ def test_sign_sgd_same_losses_with_full_offload(runs):
     assert full[-1]["offload"]["kernel_s"] > 0  # the CPU kernel ran it
 
 
+def test_bf16_moments_train_like_fp32_moments(runs):
+    fp32, bf16 = _records(runs, 1, "full_1p"), _records(runs, 1, "full_bf16_1p")
+    assert [r["step"] for r in bf16] == list(range(1, STEPS + 1))
+    assert bf16[0]["loss"] == fp32[0]["loss"]  # same weights, same batch, before any update
+    for a, b in zip(fp32[1:], bf16[1:]):
+        assert a["loss"] == pytest.approx(b["loss"], rel=1e-2)
+    # fp32 master + fp32 accumulator (grad_accum 2) + two bf16 moments: 12 B per element,
+    # against 16 B with fp32 moments
+    assert bf16[-1]["offload"]["host_bytes"] * 4 == fp32[-1]["offload"]["host_bytes"] * 3
+
+
 def test_tied_head_and_no_rope():
     import torch
 
@@ -236,6 +250,10 @@ def test_tiny_preset_and_explicit_flags(capsys):
     for option in ("--d-model", "--steps", "--lr", "--offload", "--save-every"):
         block = help_text.split("\n  " + option, 1)[1].split("\n  -", 1)[0]  # its entry under the options
         assert "(default: " in block, option
+    for bad in (["--offload", "none"], ["--offload", "optimizer"], ["--optimizer", "sign_sgd"]):
+        with pytest.raises(SystemExit):
+            train_fsdp.parse_args(["--preset", "tiny", "--state-dtype", "bfloat16"] + bad)
+        assert "--state-dtype bfloat16 needs --offload full" in capsys.readouterr().err
 
 
 # --------------------------------------------------------------- quickstart

@@ -84,8 +84,9 @@ def run(kind, k, steps, **opts):
     return model, off, init, history
 
 
-def expected(kind, init, history, *, exact):
-    """Replay the captured gradients with the reference (exact) or torch (fp32)."""
+def expected(kind, init, history, *, exact, moment_dtype=torch.float32):
+    """Replay the captured gradients with the reference (exact, moments in
+    ``moment_dtype``) or torch (fp32)."""
     model, opt = build(kind)
     params = {n: nn.Parameter(init[n].clone().float(), requires_grad=p.requires_grad)
               for n, p in model.named_parameters()}
@@ -96,7 +97,8 @@ def expected(kind, init, history, *, exact):
     ref = (torch.optim.AdamW(groups) if kind == "adamw" else SignSGD(groups, lr=groups[0]["lr"]))
     sched = torch.optim.lr_scheduler.StepLR(ref, step_size=2, gamma=0.5)
     steps = {n: 0 for n in order}
-    moments = {n: (torch.zeros_like(params[n]), torch.zeros_like(params[n])) for n in order}
+    moments = {n: (torch.zeros_like(params[n], dtype=moment_dtype), torch.zeros_like(params[n], dtype=moment_dtype))
+               for n in order}
     for grads in history:
         for n in order:
             params[n].grad = None
