@@ -4,7 +4,9 @@
 # one process training the same model unsharded; a checkpoint saved with
 # torch.distributed.checkpoint and loaded into a fresh model resumes
 # bit-identically. With clipping, the norm is the global one on every rank, and
-# a NaN gradient on one rank only skips the step on both.
+# a NaN gradient on one rank only skips the step on both. A trainer's loop with a
+# varying number of micro-batches, a divide factor and clipping equals
+# torch.optim.AdamW fed the same gradients.
 import os
 import socket
 import subprocess
@@ -156,6 +158,43 @@ def worker(out_dir):
     dist.destroy_process_group()
 
 
+WINDOWS = [1, 3, 2, 5]  # micro-batches per step
+
+
+def window_loop(model, opt, announce=False):
+    """The RL/SFT trainer's step: set the window, backward each micro-batch, divide, clip, step."""
+    norms = []
+    for s, count in enumerate(WINDOWS):
+        opt.grad_accum_steps = count
+        for m in range(count):
+            model(batch(s, m)).float().pow(2).sum().backward()
+        opt.scale_grads_(1.0 / (8 * count))
+        norms.append(float(opt.clip_grad_norm_(CLIP)))
+        opt.step()
+        opt.zero_grad()
+    return norms
+
+
+def window_worker(out_dir):
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from cpu_offload import offload_optimizer
+
+    dist.init_process_group("gloo")
+    model = _shard(make_model(), init_device_mesh("cpu", (dist.get_world_size(),)))
+    opt = offload_optimizer(make_opt(model), offload="full", grad_accum_steps=max(WINDOWS), pinned_bytes=1 << 15,
+                            num_slots=2)
+    norms = window_loop(model, opt)
+    sd = opt.state_dict()
+    result = {"norms": norms, "state": {i: {k: v.full_tensor() for k, v in e.items() if k != "step"}
+                                        for i, e in sd["state"].items()}}
+    if dist.get_rank() == 0:
+        torch.save(result, os.path.join(out_dir, "windows.pt"))
+    opt.close()
+    dist.destroy_process_group()
+
+
 def _free_port():
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -238,6 +277,53 @@ def test_fsdp2_clipping_and_nan_on_one_rank(tmp_path):
     opt.close()
 
 
+def test_fsdp2_variable_windows_match_torch_adamw(tmp_path):
+    from cpu_offload import offload_optimizer
+
+    _run_workers("--window-worker", tmp_path)
+    result = torch.load(tmp_path / "windows.pt")
+    # The same gradients, captured in one process (the reduce-scatter average of equal
+    # gradients is exact), replayed through torch: sum, divide, clip_grad_norm_, AdamW.
+    model = make_model()
+    captured = []
+    for p in model.parameters():
+        p.register_post_accumulate_grad_hook(lambda p: captured.append((p, p.grad.float().clone())))
+    init = [p.detach().float().clone() for p in model.parameters()]
+    opt = offload_optimizer(make_opt(model), offload="full", grad_accum_steps=max(WINDOWS), pinned_bytes=1 << 15,
+                            num_slots=2)
+    window_loop(model, opt)
+    opt.close()
+    params = [torch.nn.Parameter(t) for t in init]
+    index = {id(p): i for i, p in enumerate(model.parameters())}
+    ref = torch.optim.AdamW([{**{k: v for k, v in g.items() if k != "params"},
+                              "params": [params[index[id(p)]] for p in g["params"]]} for g in opt.param_groups])
+    norms, at = [], 0
+    for count in WINDOWS:
+        window = captured[at : at + count * len(params)]
+        at += count * len(params)
+        for p in params:
+            p.grad = None
+        for p, g in window:
+            q = params[index[id(p)]]
+            q.grad = g.clone() if q.grad is None else q.grad.add_(g)
+        for q in params:
+            q.grad.mul_(1.0 / (8 * count))
+        norms.append(float(torch.nn.utils.clip_grad_norm_(params, CLIP)))
+        ref.step()
+    assert sum(n > CLIP for n in norms) >= 2  # clipping active
+    for ours, theirs in zip(result["norms"], norms):
+        assert abs(ours - theirs) <= 1e-6 * theirs
+    order = [p for g in opt.param_groups for p in g["params"]]
+    for i, entry in result["state"].items():
+        q = params[index[id(order[i])]]
+        for key, want in (("master", q.detach()), ("exp_avg", ref.state[q]["exp_avg"]),
+                          ("exp_avg_sq", ref.state[q]["exp_avg_sq"])):
+            got = entry[key]
+            assert float((got - want).norm() / want.norm()) < 1e-5, (i, key)
+
+
+if __name__ == "__main__" and sys.argv[1:2] == ["--window-worker"]:
+    window_worker(sys.argv[2])
 if __name__ == "__main__" and sys.argv[1:2] == ["--worker"]:
     worker(sys.argv[2])
 if __name__ == "__main__" and sys.argv[1:2] == ["--clip-worker"]:

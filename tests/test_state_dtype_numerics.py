@@ -14,7 +14,7 @@ import torch.nn.functional as F
 
 from cpu_offload.full_offload import FullCPUOffloadOptimizer
 from test_clipping import LOSS_SCALES, STEPS, check_unchanged, normwise, snapshot, train, train_step
-from test_full_offload import SMALL, batches, build
+from test_full_offload import SMALL, build
 
 BF16 = torch.bfloat16
 
