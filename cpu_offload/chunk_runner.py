@@ -35,6 +35,7 @@ class _Plan:
     kernels see the same tensor objects every step (their validation is cached)."""
 
     accum_calls: list  # (accumulators, grads, add)
+    retain_copies: list  # (host copy of the gradient, slot view): without accumulation
     opt_calls: list  # (group, recs, params, grads, exp_avgs, exp_avg_sqs, steps, outs)
     copies: list  # (rec, start, numel, out view)
     h2d_bytes: int
@@ -66,6 +67,7 @@ class ChunkRunner:
         self.phase = ""
         self.track_norms = False  # read or compute each optimizer chunk's gradient norms first
         self.skip_nonfinite = False  # a non-finite gradient stops the window's remaining steps
+        self.copy_grads = False  # keep a host copy of each stepped gradient (ParamRecord.retained)
         self.device_norms: Optional[torch.Tensor] = None  # per record index: |g|_2 from the device (no accumulation)
         self.reset_window()
 
@@ -96,6 +98,8 @@ class ChunkRunner:
             t0 = time.perf_counter()
             for accs, grads, add in plan.accum_calls:
                 kernels.accumulate_(accs, grads, add)
+            for kept, grad in plan.retain_copies:
+                kept.copy_(grad)
             t1 = time.perf_counter()
             if chunk.final and self.track_norms:
                 self.phase = "gradient norms"
@@ -172,7 +176,7 @@ class ChunkRunner:
     def _build_plan(self, chunk, out_slot: Optional[Slot]) -> _Plan:
         accum: dict = collections.defaultdict(lambda: ([], []))
         opt: dict = collections.defaultdict(lambda: ([], [], [], [], [], []))
-        copies = []
+        copies, retain_copies = [], []
         out_off = h2d_bytes = 0
         for p in chunk.pieces:
             end = p.start + p.numel
@@ -185,6 +189,10 @@ class ChunkRunner:
                 continue
             if self.accumulate:  # the optimizer reads the window's sum
                 grad = p.rec.accum[p.start : end]
+            elif grad is None:  # stepped again from the host copy (a redo)
+                grad = p.rec.retained[p.start : end]
+            elif self.copy_grads:
+                retain_copies.append((p.rec.retained[p.start : end], grad))
             cdtype = p.rec.local().dtype
             out = out_slot.view(out_off, p.numel, cdtype)
             out_off = align_up(out_off + p.numel * out.element_size())
@@ -205,4 +213,4 @@ class ChunkRunner:
             (group, recs, params, grads, m, v, torch.zeros(len(recs), dtype=torch.int64), outs)
             for (group, _, _), (recs, params, grads, m, v, outs) in opt.items()
         ]
-        return _Plan(accum_calls, opt_calls, copies, h2d_bytes)
+        return _Plan(accum_calls, retain_copies, opt_calls, copies, h2d_bytes)

@@ -52,8 +52,8 @@ import torch
 from cpu_offload import checkpoint, ownership
 from cpu_offload.backward_tracking import outside_backward, watch_backward
 from cpu_offload.host_state import (
-    adopt_external_weights, allocate_host_state, cast_to_compute, check_fsdp_not_started, check_host_ram,
-    collect_records, host_bytes_needed, note_versions, restore_dtypes,
+    adopt_external_weights, allocate_host_state, allocate_retained, cast_to_compute, check_fsdp_not_started, check_host_ram,
+    collect_records, host_bytes_needed, host_ram_fits, note_versions, restore_dtypes,
 )
 from cpu_offload.dtensor import local_of
 from cpu_offload.dtype_hint import watch_first_forward
@@ -159,6 +159,11 @@ class FullCPUOffloadOptimizer(WindowControls, torch.optim.Optimizer):
         skip_nonfinite: skip a step whose gradients hold NaN or Inf on any rank,
             leaving masters, moments and step counts as before it (default True;
             False: torch's behaviour).
+        grad_copy: where a copy of each step's gradient is kept (without
+            accumulation) so that clipping can redo the step: ``"host"`` (2 B
+            per parameter of host RAM, copied by the CPU during the step),
+            ``"device"`` (the gradients stay on the device until ``step()``) or
+            ``"auto"`` (default: the host when its RAM holds it, else the device).
     """
 
     def __init__(
@@ -175,12 +180,14 @@ class FullCPUOffloadOptimizer(WindowControls, torch.optim.Optimizer):
         sysfs_root: str = "/sys",
         max_grad_norm: Optional[float] = None,
         skip_nonfinite: bool = True,
+        grad_copy: str = "auto",
     ) -> None:
         self._proto = _Protocol()  # CLOSED until fully constructed
         self._algorithm = check_optimizer(optimizer)
         check_options(algorithm=self._algorithm, grad_accum_steps=grad_accum_steps, compute_dtype=compute_dtype,
                       state_dtype=state_dtype, num_slots=num_slots, pinned_bytes=pinned_bytes, timeout_s=timeout_s)
-        max_grad_norm = check_clipping_options(max_grad_norm=max_grad_norm, skip_nonfinite=skip_nonfinite)
+        max_grad_norm = check_clipping_options(max_grad_norm=max_grad_norm, skip_nonfinite=skip_nonfinite,
+                                               grad_copy=grad_copy)
         tracking = skip_nonfinite or max_grad_norm is not None
         records, frozen = collect_records(optimizer)
         ownership.check_unowned(records)
@@ -192,8 +199,17 @@ class FullCPUOffloadOptimizer(WindowControls, torch.optim.Optimizer):
         slot_bytes = staging_slot_bytes(records, keep, compute_dtype, pinned_bytes=pinned_bytes, num_slots=num_slots)
         moments = self._algorithm == "adamw"
         accumulate = grad_accum_steps > 1
-        check_host_ram(host_bytes_needed(records, moments=moments, accumulate=accumulate, state_dtype=state_dtype),
-                       2 * num_slots * slot_bytes)
+        pinned = 2 * num_slots * slot_bytes
+        with_copy = host_bytes_needed(records, moments=moments, accumulate=accumulate, state_dtype=state_dtype,
+                                      grad_itemsize=lambda r: 4 if id(r.param) in keep or compute_dtype == torch.float32
+                                      else 2)
+        if accumulate:
+            grad_copy = None  # the accumulators hold the window's gradient
+        elif grad_copy == "auto":
+            grad_copy = "host" if host_ram_fits(with_copy, pinned) else "device"
+        check_host_ram(with_copy if grad_copy == "host" else host_bytes_needed(
+            records, moments=moments, accumulate=accumulate, state_dtype=state_dtype, grad_itemsize=lambda r: 0),
+            pinned)
 
         self.binding = bind_for(device, sysfs_root)  # before any host state is touched
         self._host = allocate_host_state(records, moments=moments, accumulate=accumulate, state_dtype=state_dtype)
@@ -205,8 +221,11 @@ class FullCPUOffloadOptimizer(WindowControls, torch.optim.Optimizer):
         originals: dict = {}
         try:
             originals = cast_to_compute(records, compute_dtype=compute_dtype, keep_fp32=keep)
+            if grad_copy == "host":
+                allocate_retained(records, self._host)
             self._pipeline = Pipeline(transfer=transfer, algorithm=self._algorithm, d2h=d2h, h2d=h2d,
                                       accumulate=accumulate, timeout_s=float(timeout_s), skip_nonfinite=skip_nonfinite,
+                                      copy_grads=grad_copy == "host",
                                       norm_slots=1 + max(r.index for r in records) if tracking else 0)
             ref = weakref.ref(self)
             for rec in records:
@@ -231,8 +250,9 @@ class FullCPUOffloadOptimizer(WindowControls, torch.optim.Optimizer):
         self._records, self._frozen = records, frozen
         self._accumulate = accumulate
         self._transfer = transfer
+        self.grad_copy = grad_copy
         self._validator = StepValidator(records=records, pipeline=self._pipeline, transfer=transfer,
-                                        algorithm=self._algorithm, accumulate=accumulate,
+                                        algorithm=self._algorithm, accumulate=accumulate, grad_copy=grad_copy,
                                         skip_nonfinite=skip_nonfinite, max_grad_norm=max_grad_norm,
                                         stacklevel=_user_stacklevel)
         self._pinned_bytes = d2h.nbytes + h2d.nbytes
@@ -283,7 +303,7 @@ class FullCPUOffloadOptimizer(WindowControls, torch.optim.Optimizer):
             raise RuntimeError(f"gradient of {rec.name} has shape {tuple(grad.shape)}, expected {tuple(rec.shape)}")
         grad = grad.detach().reshape(-1)
         self._pipeline.stage_grad(rec, grad, add=rec.has_accum)
-        if not self._accumulate:
+        if self.grad_copy == "device":
             rec.retained = grad  # NOTE: kept on the device until the window closes, for a redo
         rec.arrived = self._proto.micro
         rec.has_accum = self._accumulate
@@ -383,6 +403,9 @@ class FullCPUOffloadOptimizer(WindowControls, torch.optim.Optimizer):
 
     def _close_window(self) -> None:
         reset_window(self._records, self._pipeline)
+        if self.grad_copy == "device":
+            for rec in self._records:
+                rec.retained = None
         self._validator.close_window()
         self._proto.micro = 0
         self._proto.final = False

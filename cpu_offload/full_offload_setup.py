@@ -62,7 +62,12 @@ def check_options(*, algorithm: str, grad_accum_steps, compute_dtype, state_dtyp
         raise ValueError(f"timeout_s must be a number > 0, got {timeout_s!r}")
 
 
-def check_clipping_options(*, max_grad_norm, skip_nonfinite) -> Optional[float]:
+GRAD_COPY_PLACES = ("auto", "host", "device")
+
+
+def check_clipping_options(*, max_grad_norm, skip_nonfinite, grad_copy) -> Optional[float]:
+    if grad_copy not in GRAD_COPY_PLACES:
+        raise ValueError(f"grad_copy must be one of {', '.join(map(repr, GRAD_COPY_PLACES))}, got {grad_copy!r}")
     if not isinstance(skip_nonfinite, bool):
         raise TypeError(f"skip_nonfinite must be True or False, got {skip_nonfinite!r}")
     if max_grad_norm is None:

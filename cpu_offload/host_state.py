@@ -57,7 +57,7 @@ class ParamRecord:
     pieces_total: int = 0  # pieces of this window's optimizer step (0: not stepped)
     pieces_done: int = 0  # of which the worker has stepped; step += 1 when all are done
     grad_sq: float = 0.0  # squared 2-norm of the window's (local) gradient, when norms are tracked
-    retained: Optional[torch.Tensor] = None  # without accumulation: the flat device gradient, for a redo
+    retained: Optional[torch.Tensor] = None  # without accumulation: the window's gradient, kept for a redo
     hook: object = field(default=None, repr=False)
 
     def local(self) -> torch.Tensor:
@@ -70,7 +70,6 @@ class ParamRecord:
         self.arrived = -1
         self.pieces_total = self.pieces_done = 0
         self.grad_sq = 0.0
-        self.retained = None
 
 
 def collect_records(optimizer: torch.optim.Optimizer) -> tuple[list[ParamRecord], list[torch.nn.Parameter]]:
@@ -148,10 +147,11 @@ class HostBuffers:
     exp_avg: Optional[torch.Tensor]
     exp_avg_sq: Optional[torch.Tensor]
     accum: Optional[torch.Tensor]
+    retained: list = field(default_factory=list)  # per compute dtype, without accumulation
 
     @property
     def nbytes(self) -> int:
-        bufs = [self.master, self.exp_avg, self.exp_avg_sq, self.accum]
+        bufs = [self.master, self.exp_avg, self.exp_avg_sq, self.accum, *self.retained]
         return sum(b.numel() * b.element_size() for b in bufs if b is not None)
 
 
@@ -160,11 +160,17 @@ def _padded(n: int) -> int:
 
 
 def host_bytes_needed(records: list[ParamRecord], *, moments: bool, accumulate: bool,
-                      state_dtype: torch.dtype = torch.float32) -> int:
-    """Bytes of the host buffers: fp32 master (+ fp32 accumulator), two moments in ``state_dtype``."""
+                      state_dtype: torch.dtype = torch.float32, grad_itemsize=lambda rec: 2) -> int:
+    """Bytes of the host buffers: fp32 master, two moments in ``state_dtype``, and either
+    an fp32 accumulator or a copy of the gradient (``grad_itemsize(rec)`` bytes per element)."""
     total = sum(_padded(r.numel) for r in records)
     per_elem = 4 + (2 * state_dtype.itemsize if moments else 0) + (4 if accumulate else 0)
-    return total * per_elem
+    retained = 0 if accumulate else sum(_padded(r.numel) * grad_itemsize(r) for r in records)
+    return total * per_elem + retained
+
+
+def host_ram_fits(needed: int, pinned: int) -> bool:
+    return needed + pinned <= psutil.virtual_memory().available
 
 
 def check_host_ram(needed: int, pinned: int) -> None:
@@ -205,6 +211,21 @@ def allocate_host_state(records: list[ParamRecord], *, moments: bool, accumulate
         r.accum = accum[sl] if accumulate else None
         off += _padded(r.numel)
     return HostBuffers(master, exp_avg, exp_avg_sq, accum)
+
+
+def allocate_retained(records: list[ParamRecord], host: HostBuffers) -> None:
+    """Without accumulation: a host copy of each window's gradient in its compute dtype
+    (rollback and redo read it), one flat buffer per dtype. Call after the cast."""
+    by_dtype: dict = {}
+    for r in records:
+        by_dtype.setdefault(r.local().dtype, []).append(r)
+    for dtype, recs in by_dtype.items():
+        flat = torch.zeros(sum(_padded(r.numel) for r in recs), dtype=dtype)
+        off = 0
+        for r in recs:
+            r.retained = flat[off : off + r.numel]
+            off += _padded(r.numel)
+        host.retained.append(flat)
 
 
 def cast_param(rec: ParamRecord, target: torch.dtype) -> None:

@@ -22,7 +22,7 @@ _OPTIONS = {
     "none": (),
     "optimizer": ("pin_memory", "prefetch_bytes"),
     "full": ("compute_dtype", "state_dtype", "keep_fp32", "pinned_bytes", "num_slots", "timeout_s", "sysfs_root",
-             "max_grad_norm", "skip_nonfinite"),
+             "max_grad_norm", "skip_nonfinite", "grad_copy"),
 }
 # Keywords people write for the mode itself.
 _MODE_WORDS = ("mode", "offload_mode", "offload_type", "kind", "type", "strategy")

@@ -71,11 +71,12 @@ class Pipeline:
         accumulate: records own fp32 accumulators (grad_accum_steps > 1).
         timeout_s: limit for every wait.
         norm_slots: with norm tracking, one more than the largest record index.
+        copy_grads: without accumulation, copy each stepped gradient to ``ParamRecord.retained``.
         skip_nonfinite: a non-finite gradient stops the window's remaining steps.
     """
 
     def __init__(self, *, transfer, algorithm: str, d2h: HostRing, h2d: HostRing, accumulate: bool, timeout_s: float,
-                 norm_slots: int = 0, skip_nonfinite: bool = False) -> None:
+                 norm_slots: int = 0, skip_nonfinite: bool = False, copy_grads: bool = False) -> None:
         if d2h.slot_bytes != h2d.slot_bytes:
             raise ValueError("d2h and h2d slots must have the same size")
         self.transfer = transfer
@@ -87,6 +88,7 @@ class Pipeline:
                                    timeout_s=timeout_s, stats=self.stats, lock=self._cv, release=self._release_input,
                                    diagnose=self.diagnose)
         self._accumulate = accumulate
+        self._runner.copy_grads = copy_grads
         self._runner.track_norms = norm_slots > 0
         self._runner.skip_nonfinite = skip_nonfinite and norm_slots > 0
         if norm_slots and not accumulate:
@@ -196,8 +198,9 @@ class Pipeline:
         self._staging = None
 
     def stage_from_host(self, recs: list) -> None:
-        """Queue optimizer-step chunks for ``recs``, whose window's gradient is their
-        host accumulator (no D2H copy); the chunks are sized by the H2D slot."""
+        """Queue optimizer-step chunks for ``recs``, whose window's gradient is on the host
+        (the accumulator, or the copy kept for a redo; no D2H copy); the chunks are sized
+        by the H2D slot."""
         micro, _, hparams = self._cur
         cap = self.h2d.slot_bytes
         chunk, used = None, None

@@ -17,8 +17,9 @@
 #     scale_grads_): rolled back and stepped again with the new factor. A step
 #     that does not clip keeps factor 1 and is never touched.
 # The window's gradients stay available for this until it closes: the host
-# accumulators (grad_accum_steps > 1) or, without accumulation, each
-# parameter's gradient on the device (``ParamRecord.retained``).
+# accumulators (grad_accum_steps > 1) or, without accumulation,
+# ``ParamRecord.retained``: the host copy the chunk runner keeps of each gradient
+# (grad_copy="host") or the gradient itself, left on the device (grad_copy="device").
 #
 # Scope: the window's factor, its norms, skip / redo. Non-goals: the norms'
 # arithmetic (grad_norms.py), the inverse step (rollback.py), the protocol
@@ -46,16 +47,18 @@ class StepValidator:
     """Per-optimizer validation state; one object shared by the wrapper and its proxies.
 
     Args:
-        records, pipeline, transfer, algorithm, accumulate: the wrapper's.
+        records, pipeline, transfer, algorithm, accumulate, grad_copy: the wrapper's.
         skip_nonfinite: skip a step whose gradients hold NaN or Inf on any rank.
         max_grad_norm: clip every step to this total 2-norm (None: only on request).
         stacklevel: returns the ``stacklevel`` of a warning aimed at the user's code.
     """
 
-    def __init__(self, *, records, pipeline, transfer, algorithm: str, accumulate: bool, skip_nonfinite: bool,
+    def __init__(self, *, records, pipeline, transfer, algorithm: str, accumulate: bool, grad_copy: Optional[str],
+                 skip_nonfinite: bool,
                  max_grad_norm: Optional[float], stacklevel: Callable[[], int]) -> None:
         self.records, self.pipeline, self.transfer = records, pipeline, transfer
         self.algorithm, self.accumulate = algorithm, accumulate
+        self.from_host = grad_copy != "device"  # the redo reads the host accumulators or copies
         self.skip_nonfinite, self.max_grad_norm = skip_nonfinite, max_grad_norm
         self.tracking = skip_nonfinite or max_grad_norm is not None
         self._stacklevel = stacklevel
@@ -74,19 +77,16 @@ class StepValidator:
 
     # ------------------------------------------------------------- norms
     def window_records(self) -> list:
-        return [r for r in self.records if (r.has_accum if self.accumulate else r.retained is not None)]
+        return [r for r in self.records if (r.has_accum if self.accumulate else r.pieces_total > 0)]
 
     def norm(self, norm_type: float) -> float:
         """Total norm of the window's gradients times the window's factor."""
+        if self.skipped:
+            return math.nan  # NOTE: a skipped window's host copies stop at its first non-finite chunk
         if norm_type not in self._norms:
             recs = self.window_records()
-            if self.accumulate:
-                local = [float(torch.linalg.vector_norm(r.accum, norm_type, dtype=torch.float64)) for r in recs]
-            elif recs:
-                local = torch.stack([torch.linalg.vector_norm(r.retained, norm_type, dtype=torch.float64)
-                                     for r in recs]).tolist()
-            else:
-                local = []
+            local = [float(torch.linalg.vector_norm(r.accum if self.accumulate else r.retained, norm_type,
+                                                    dtype=torch.float64)) for r in recs]
             self._norms[norm_type] = total_norm(list(zip(recs, local)), norm_type)
         return self.scale * self._norms[norm_type]
 
@@ -150,7 +150,7 @@ class StepValidator:
         for rec in recs:
             rec.grad_sq = 0.0
         self.pipeline.begin_backward(micro=0, final=True, hparams=hparams)
-        if self.accumulate:
+        if self.from_host:
             self.pipeline.stage_from_host(recs)
         else:
             for rec in recs:
@@ -177,13 +177,15 @@ class StepValidator:
 
     def _rollback(self, stepped: list) -> list:
         """Undo every stepped piece; returns their records (step counts restored)."""
-        host_grads: dict = {}
         recs: dict = {}
+        host_grads: dict = {}  # grad_copy="device": fetched once per parameter
         with torch.no_grad():
             for rec, start, numel, step, hp in stepped:
                 piece = slice(start, start + numel)
                 if self.accumulate:
                     grad = rec.accum[piece]
+                elif self.from_host:
+                    grad = rec.retained[piece]
                 else:
                     if id(rec) not in host_grads:
                         host_grads[id(rec)] = rec.retained.to("cpu")

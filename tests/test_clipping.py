@@ -63,9 +63,11 @@ def torch_replay(kind, init, history, clip):
 
 
 @pytest.mark.parametrize("scales, clip", [(LOSS_SCALES, 0.25), (HEAVY_LOSS_SCALES, 0.5)])
-@pytest.mark.parametrize("k", [1, 2])
-def test_clipped_steps_match_torch(k, scales, clip):
-    model, off, init, history, norms = train("adamw", k, STEPS, clip=clip, loss_scale=lambda s: scales[s % len(scales)])
+@pytest.mark.parametrize("k, grad_copy", [(1, "host"), (1, "device"), (2, "auto")])
+def test_clipped_steps_match_torch(k, grad_copy, scales, clip):
+    model, off, init, history, norms = train("adamw", k, STEPS, clip=clip, loss_scale=lambda s: scales[s % len(scales)],
+                                             grad_copy=grad_copy)
+    assert off.grad_copy == (None if k > 1 else grad_copy)
     params, ref, ref_norms = torch_replay("adamw", init, history, clip)
     clipped = sum(float(n) > clip for n in ref_norms)
     assert 3 <= clipped <= STEPS - 3  # clipping active on some steps and not on others
@@ -155,10 +157,10 @@ def test_nan_loss_skips_the_step_bit_identically(k):
     assert all(torch.isfinite(r.master).all() for r in off._records)
 
 
-@pytest.mark.parametrize("k", [1, 2])
-def test_inf_in_one_gradient_rolls_back_what_was_stepped(k):
+@pytest.mark.parametrize("k, grad_copy", [(1, "host"), (1, "device"), (2, "auto")])
+def test_inf_in_one_gradient_rolls_back_what_was_stepped(k, grad_copy):
     model, opt = build("adamw")
-    off = FullCPUOffloadOptimizer(opt, grad_accum_steps=k, **SMALL)
+    off = FullCPUOffloadOptimizer(opt, grad_accum_steps=k, grad_copy=grad_copy, **SMALL)
     # l1's gradient arrives last (backward runs in reverse), after head and l2 were stepped
     armed = []
     model.l1.weight.register_hook(lambda g: g.index_fill(1, torch.tensor([3]), math.inf) if armed else g)
@@ -226,3 +228,28 @@ def test_skip_nonfinite_false_gives_torch_behaviour():
     off.step()
     assert off.stats()["skipped_steps"] == 0
     assert torch.isnan(off._records[0].master).any()  # like torch.optim.AdamW fed NaN gradients
+
+
+def test_grad_copy_auto_goes_to_the_device_when_host_ram_is_short(monkeypatch):
+    import cpu_offload.host_state as hs
+
+    model, opt = build("adamw")
+    padded = sum((p.numel() + 15) // 16 * 16 for p in model.parameters() if p.requires_grad)
+    ram = {}
+
+    class Memory:
+        @property
+        def available(self):
+            return ram["bytes"]
+    monkeypatch.setattr(hs.psutil, "virtual_memory", lambda: Memory())
+    ram["bytes"] = 12 * padded + SMALL["pinned_bytes"] + padded  # the state fits, the 2 B/param copy does not
+    off = FullCPUOffloadOptimizer(opt, **SMALL)
+    assert off.grad_copy == "device" and off._host.nbytes == 12 * padded
+    off.close()
+    ram["bytes"] = 1 << 40
+    model, opt = build("adamw")
+    off = FullCPUOffloadOptimizer(opt, **SMALL)
+    assert off.grad_copy == "host" and off._host.nbytes == 14 * padded
+    off.close()
+    with pytest.raises(ValueError, match="grad_copy"):
+        FullCPUOffloadOptimizer(build("adamw")[1], grad_copy="gpu")

@@ -1,7 +1,8 @@
 # Clipping and the non-finite guard of full offload on CUDA (marked gpu), on the
 # example's Llama-shaped model: 20 steps with clip_grad_norm_ (clipping on some
 # steps, not on others) against torch.nn.utils.clip_grad_norm_ + torch.optim.AdamW
-# replayed on the captured gradients; a NaN loss leaves the state bit-identical.
+# replayed on the captured gradients, with the gradient copy on the host and on the
+# device; a NaN loss leaves the state bit-identical.
 # Run: pytest -m gpu tests/test_gpu_clipping.py
 import math
 import pathlib
@@ -26,7 +27,9 @@ def example():
     return train_fsdp
 
 
-def setup():
+def setup(**options):
+    import cpu_offload
+
     ex = example()
     cfg = ex.ModelConfig(vocab_size=4096, d_model=256, n_layers=2, n_heads=4, ffn_dim=704, max_seq_len=SEQ)
     model = ex.build_model(cfg, torch.device("cuda"), fsdp=False, seed=0)
@@ -34,7 +37,8 @@ def setup():
     grads = {}
     for n, p in model.named_parameters():  # registered before the wrapper's hooks: they run first
         p.register_post_accumulate_grad_hook(lambda p, n=n: grads.__setitem__(n, p.grad.detach().float().cpu()))
-    opt = ex.build_optimizer(model, name="adamw", lr=1e-3, weight_decay=0.1, offload="full", grad_accum=1)
+    adamw = torch.optim.AdamW(ex.param_groups(model, 0.1), lr=1e-3, betas=(0.9, 0.95), eps=1e-8)
+    opt = cpu_offload.offload_optimizer(adamw, offload="full", **options)
     return ex, cfg, model, opt, init, grads
 
 
@@ -46,8 +50,10 @@ def loss_of(ex, cfg, model, step):
     return F.cross_entropy(logits.float().flatten(0, 1), targets.flatten())
 
 
-def test_clipped_training_matches_torch():
-    ex, cfg, model, opt, init, grads = setup()
+@pytest.mark.parametrize("grad_copy", ["host", "device"])
+def test_clipped_training_matches_torch(grad_copy):
+    ex, cfg, model, opt, init, grads = setup(grad_copy=grad_copy)
+    assert opt.grad_copy == grad_copy
     names = {id(p): n for n, p in model.named_parameters()}
     history, norms = [], []
     for s in range(STEPS):
@@ -57,6 +63,9 @@ def test_clipped_training_matches_torch():
         opt.step()
         opt.zero_grad()
         history.append(dict(grads))
+    # NOTE: torch's own float32 reduction of a million-element gradient drifts by ~1e-5, so the
+    # norm is checked against torch's function evaluated in float64 (the exact norm).
+    exact = [float(torch.nn.utils.get_total_norm([g.double() for g in step.values()], 2.0)) for step in history]
     params = {n: torch.nn.Parameter(t.clone()) for n, t in init.items()}
     groups = [{**{k: v for k, v in g.items() if k != "params"}, "params": [params[names[id(p)]] for p in g["params"]]}
               for g in opt.param_groups]
@@ -69,8 +78,9 @@ def test_clipped_training_matches_torch():
         ref.step()
     clipped = sum(n > CLIP for n in ref_norms)
     assert 3 <= clipped <= STEPS - 3, ref_norms
-    for ours, theirs in zip(norms, ref_norms):
-        assert abs(ours - theirs) <= 1e-6 * theirs
+    for ours, theirs, want in zip(norms, ref_norms, exact):
+        assert abs(ours - want) <= 1e-6 * want, dict(ours=ours, torch_float32=theirs, torch_float64=want)
+        assert abs(theirs - want) <= 1e-4 * want
     state = opt.state
     for p in model.parameters():
         n = names[id(p)]
