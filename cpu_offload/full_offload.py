@@ -53,7 +53,7 @@ from cpu_offload import checkpoint, ownership
 from cpu_offload.backward_tracking import outside_backward, watch_backward
 from cpu_offload.host_state import (
     adopt_external_weights, allocate_host_state, allocate_retained, cast_to_compute, check_fsdp_not_started, check_host_ram,
-    collect_records, host_bytes_needed, host_ram_fits, note_versions, restore_dtypes,
+    collect_records, host_bytes_needed, note_versions, restore_dtypes,
 )
 from cpu_offload.dtensor import local_of
 from cpu_offload.dtype_hint import watch_first_forward
@@ -159,11 +159,12 @@ class FullCPUOffloadOptimizer(WindowControls, torch.optim.Optimizer):
         skip_nonfinite: skip a step whose gradients hold NaN or Inf on any rank,
             leaving masters, moments and step counts as before it (default True;
             False: torch's behaviour).
-        grad_copy: where a copy of each step's gradient is kept (without
-            accumulation) so that clipping can redo the step: ``"host"`` (2 B
-            per parameter of host RAM, copied by the CPU during the step),
-            ``"device"`` (the gradients stay on the device until ``step()``) or
-            ``"auto"`` (default: the host when its RAM holds it, else the device).
+        grad_copy: where each step's gradient is kept (without accumulation)
+            so that clipping can redo the step: ``"device"`` (default: the
+            gradients stay on the device until the window closes, 2 B per
+            parameter of device memory at the end of backward) or ``"host"``
+            (a copy in host RAM, 2 B per parameter, made by the CPU during the
+            step: no device memory, but more host memory traffic).
     """
 
     def __init__(
@@ -180,7 +181,7 @@ class FullCPUOffloadOptimizer(WindowControls, torch.optim.Optimizer):
         sysfs_root: str = "/sys",
         max_grad_norm: Optional[float] = None,
         skip_nonfinite: bool = True,
-        grad_copy: str = "auto",
+        grad_copy: str = "device",
     ) -> None:
         self._proto = _Protocol()  # CLOSED until fully constructed
         self._algorithm = check_optimizer(optimizer)
@@ -205,8 +206,6 @@ class FullCPUOffloadOptimizer(WindowControls, torch.optim.Optimizer):
                                       else 2)
         if accumulate:
             grad_copy = None  # the accumulators hold the window's gradient
-        elif grad_copy == "auto":
-            grad_copy = "host" if host_ram_fits(with_copy, pinned) else "device"
         check_host_ram(with_copy if grad_copy == "host" else host_bytes_needed(
             records, moments=moments, accumulate=accumulate, state_dtype=state_dtype, grad_itemsize=lambda r: 0),
             pinned)

@@ -62,7 +62,7 @@ def check_options(*, algorithm: str, grad_accum_steps, compute_dtype, state_dtyp
         raise ValueError(f"timeout_s must be a number > 0, got {timeout_s!r}")
 
 
-GRAD_COPY_PLACES = ("auto", "host", "device")
+GRAD_COPY_PLACES = ("device", "host")
 
 
 def check_clipping_options(*, max_grad_norm, skip_nonfinite, grad_copy) -> Optional[float]:

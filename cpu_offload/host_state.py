@@ -169,10 +169,6 @@ def host_bytes_needed(records: list[ParamRecord], *, moments: bool, accumulate: 
     return total * per_elem + retained
 
 
-def host_ram_fits(needed: int, pinned: int) -> bool:
-    return needed + pinned <= psutil.virtual_memory().available
-
-
 def check_host_ram(needed: int, pinned: int) -> None:
     available = psutil.virtual_memory().available
     if needed + pinned > available:

@@ -1,5 +1,6 @@
-# Shared fixtures: ISA parametrization that skips (visibly) targets this CPU lacks, and a
-# reset of the frameworks' process-wide state between tests.
+# Shared fixtures: ISA parametrization that skips (visibly) targets this CPU lacks, a
+# reset of the frameworks' process-wide state between tests, a one-rank NCCL group.
+import socket
 import sys
 
 import pytest
@@ -50,3 +51,19 @@ def fresh_accelerate_state():
 
         AcceleratorState._reset_state(True)
         GradientState._reset_state()
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture
+def single_rank_group():
+    """A one-rank NCCL process group (FSDP2 on one GPU), destroyed after the test."""
+    import torch.distributed as dist
+
+    dist.init_process_group("nccl", init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1)
+    yield
+    dist.destroy_process_group()

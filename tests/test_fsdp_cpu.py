@@ -8,13 +8,14 @@
 # varying number of micro-batches, a divide factor and clipping equals
 # torch.optim.AdamW fed the same gradients.
 import os
-import socket
 import subprocess
 import sys
 
 import pytest
 import torch
 import torch.nn as nn
+
+from conftest import free_port
 
 STEPS, RESUME_AT, ACCUM = 4, 2, 2
 
@@ -195,18 +196,12 @@ def window_worker(out_dir):
     dist.destroy_process_group()
 
 
-def _free_port():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _run_workers(mode, tmp_path):
     if not torch.distributed.is_gloo_available():
         pytest.skip("torch built without gloo")
     import cpu_offload
 
-    port = str(_free_port())
+    port = str(free_port())
     root = os.path.dirname(os.path.dirname(os.path.abspath(cpu_offload.__file__)))  # the workers import it too
     path = os.pathsep.join([root] + [p for p in [os.environ.get("PYTHONPATH")] if p])
     procs = []

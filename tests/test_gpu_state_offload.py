@@ -14,7 +14,6 @@
 #     equal the unwrapped run bit for bit.
 # Run: python -m pytest -q -m gpu tests/test_gpu_state_offload.py
 import gc
-import socket
 
 import pytest
 import torch
@@ -121,21 +120,6 @@ def test_twenty_steps_bitwise_equal_to_no_offload(kind, accum):
     stats = wrapped.stats()
     assert stats["h2d_bytes"] == stats["d2h_bytes"] == stats["prefetched_bytes"] > 0  # all during backward
     assert stats["copy_wait_s"] is not None and stats["copy_wait_s"] >= 0.0
-
-
-def _free_port():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-@pytest.fixture
-def single_rank_group():
-    import torch.distributed as dist
-
-    dist.init_process_group("nccl", init_method=f"tcp://127.0.0.1:{_free_port()}", rank=0, world_size=1)
-    yield
-    dist.destroy_process_group()
 
 
 def _fsdp(model):

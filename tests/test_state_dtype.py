@@ -40,7 +40,7 @@ def test_bad_state_dtype_is_refused_naming_the_argument():
 
 def test_moments_are_bf16_and_the_host_bytes_shrink():
     model, opt = build("adamw")
-    off = cpu_offload.offload_optimizer(opt, offload="full", state_dtype=torch.bfloat16, **SMALL)
+    off = cpu_offload.offload_optimizer(opt, offload="full", state_dtype=torch.bfloat16, grad_copy="host", **SMALL)
     assert isinstance(off, FullCPUOffloadOptimizer)
     for rec in off._records:
         assert rec.master.dtype == torch.float32

@@ -13,7 +13,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from cpu_offload.full_offload import FullCPUOffloadOptimizer
-from test_clipping import LOSS_SCALES, STEPS, check_unchanged, normwise, snapshot, train, train_step
+from test_clipping import LOSS_SCALES, STEPS, check_unchanged, fp32_reference, normwise, snapshot, train, train_step
 from test_full_offload import SMALL, build
 
 BF16 = torch.bfloat16
@@ -22,12 +22,7 @@ BF16 = torch.bfloat16
 def bf16_moment_replay(init, history, clip):
     """torch.optim.AdamW on fp32 copies, clipped by torch.nn.utils.clip_grad_norm_,
     its moments rounded to bf16 after every step (the semantics of state_dtype=bf16)."""
-    model, opt = build("adamw")
-    params = {n: nn.Parameter(init[n].float().clone()) for n, _ in model.named_parameters()}
-    by_id = {id(p): n for n, p in model.named_parameters()}
-    groups = [{**{k: v for k, v in g.items() if k != "params"},
-               "params": [params[by_id[id(p)]] for p in g["params"] if p.requires_grad]} for g in opt.param_groups]
-    ref = torch.optim.AdamW(groups, lr=groups[0]["lr"])
+    params, ref = fp32_reference("adamw", init)
     for grads in history:
         for n, p in params.items():
             p.grad = grads[n].clone() if n in grads else None

@@ -4,10 +4,9 @@
 # torch.optim.AdamW fed the same gradients.
 import pytest
 import torch
-import torch.nn as nn
 
 from cpu_offload.full_offload import FullCPUOffloadOptimizer
-from test_clipping import normwise
+from test_clipping import fp32_reference, normwise
 from test_full_offload import SMALL, build, capture
 
 COUNTS = [1, 3, 2, 5]  # micro-batches per step
@@ -39,12 +38,7 @@ def loop_step(model, off, step, count, *, announce: bool):
 
 def torch_replay(init, history, counts):
     """torch.optim.AdamW on fp32 copies: sum, divide, clip, step."""
-    model, opt = build("adamw")
-    params = {n: nn.Parameter(init[n].float().clone()) for n, _ in model.named_parameters()}
-    by_id = {id(p): n for n, p in model.named_parameters()}
-    groups = [{**{k: v for k, v in g.items() if k != "params"},
-               "params": [params[by_id[id(p)]] for p in g["params"] if p.requires_grad]} for g in opt.param_groups]
-    ref = torch.optim.AdamW(groups, lr=groups[0]["lr"])
+    params, ref = fp32_reference("adamw", init)
     norms = []
     for grads, count in zip(history, counts):
         for n, p in params.items():
