@@ -200,15 +200,12 @@ class FullCPUOffloadOptimizer(WindowControls, torch.optim.Optimizer):
         slot_bytes = staging_slot_bytes(records, keep, compute_dtype, pinned_bytes=pinned_bytes, num_slots=num_slots)
         moments = self._algorithm == "adamw"
         accumulate = grad_accum_steps > 1
-        pinned = 2 * num_slots * slot_bytes
-        with_copy = host_bytes_needed(records, moments=moments, accumulate=accumulate, state_dtype=state_dtype,
-                                      grad_itemsize=lambda r: 4 if id(r.param) in keep or compute_dtype == torch.float32
-                                      else 2)
         if accumulate:
             grad_copy = None  # the accumulators hold the window's gradient
-        check_host_ram(with_copy if grad_copy == "host" else host_bytes_needed(
-            records, moments=moments, accumulate=accumulate, state_dtype=state_dtype, grad_itemsize=lambda r: 0),
-            pinned)
+        copy_itemsize = 0 if grad_copy != "host" else 2 if compute_dtype == torch.bfloat16 else 4
+        check_host_ram(host_bytes_needed(records, moments=moments, accumulate=accumulate, state_dtype=state_dtype,
+                                         grad_itemsize=lambda r: 4 if copy_itemsize and id(r.param) in keep
+                                         else copy_itemsize), 2 * num_slots * slot_bytes)
 
         self.binding = bind_for(device, sysfs_root)  # before any host state is touched
         self._host = allocate_host_state(records, moments=moments, accumulate=accumulate, state_dtype=state_dtype)
