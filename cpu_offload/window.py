@@ -25,7 +25,10 @@ def finish_window(records, pipeline, transfer, *, zero_fill: bool) -> None:
     if zero_fill:
         for rec in records:
             if rec.holds_grad and rec.pieces_total == 0 and not rec.has_accum:
-                pipeline.stage_grad(rec, torch.zeros(rec.numel, dtype=rec.local().dtype), add=False)
+                zeros = torch.zeros(rec.numel, dtype=rec.local().dtype)
+                pipeline.stage_grad(rec, zeros, add=False)
+                if rec.accum is None and rec.retained is None:  # grad_copy="device": the kept gradient
+                    rec.retained = zeros
     pipeline.stage_from_host([r for r in records if r.has_accum and r.pieces_total == 0])
     pipeline.drain()
     transfer.compute_waits_for_h2d()

@@ -246,3 +246,19 @@ def test_grad_copy_places_and_host_bytes():
     off.close()
     with pytest.raises(ValueError, match="grad_copy"):
         FullCPUOffloadOptimizer(build("adamw")[1], grad_copy="gpu")
+
+
+@pytest.mark.parametrize("grad_copy", ["host", "device"])
+def test_zero_filled_parameters_are_clipped_and_rolled_back(grad_copy):
+    """After zero_grad(set_to_none=False) a parameter without a gradient is stepped with zeros;
+    clipping redoes it too (with the zeros it kept)."""
+    model, opt = build("adamw")
+    off = FullCPUOffloadOptimizer(opt, grad_copy=grad_copy, **SMALL)
+    for s in range(3):
+        x, _ = batches(s, 1)[0]
+        model(x.to(torch.bfloat16), use_extra=s == 0).float().pow(2).sum().backward()  # extra: a gradient once
+        assert float(off.clip_grad_norm_(0.01)) > 0.01
+        off.step()
+        off.zero_grad(set_to_none=False)
+    extra = next(r for r in off._records if r.param is model.extra)
+    assert extra.step == 3 and torch.isfinite(extra.master).all()
