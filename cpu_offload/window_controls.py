@@ -67,7 +67,10 @@ class WindowControls:
         """
         from cpu_offload.full_offload import Phase
 
-        factor = float(factor)
+        try:
+            factor = float(factor)
+        except (TypeError, ValueError):
+            raise ValueError(f"factor must be a finite number > 0, got {factor!r}") from None
         if not (math.isfinite(factor) and factor > 0):
             raise ValueError(f"factor must be a finite number > 0, got {factor!r}")
         self._enter()
@@ -88,7 +91,12 @@ class WindowControls:
         """
         from cpu_offload.full_offload import Phase
 
-        max_norm = float(max_norm)
+        try:
+            max_norm = float(max_norm)
+        except (TypeError, ValueError):
+            raise ValueError(f"max_norm must be a number >= 0, got {max_norm!r}") from None
+        if not max_norm >= 0:
+            raise ValueError(f"max_norm must be a number >= 0, got {max_norm!r}")
         p = check_norm_type(norm_type)
         self._enter()
         if self._proto.phase is Phase.BACKWARD:

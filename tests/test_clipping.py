@@ -217,6 +217,10 @@ def test_inf_norm_and_idle_and_bad_arguments():
     assert float(off.clip_grad_norm_(1e9, norm_type=math.inf)) == expected
     with pytest.raises(ValueError, match="norm_type"):
         off.clip_grad_norm_(1.0, norm_type=-1)
+    with pytest.raises(ValueError, match="max_norm"):
+        off.clip_grad_norm_("one")
+    with pytest.raises(ValueError, match="max_norm"):
+        off.clip_grad_norm_(-1.0)
     off.step()
     assert float(off.clip_grad_norm_(1.0)) == 0.0  # no gradients since the step, as torch
     with pytest.raises(ValueError, match="max_grad_norm"):
