@@ -49,12 +49,13 @@ import platform
 import resource
 import signal
 import statistics
-import subprocess
 import sys
-import threading
 import time
 from pathlib import Path
 from typing import Callable, Optional
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # worker_process, also when loaded by path
+from worker_process import run_worker  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 EXAMPLES = ROOT / "examples"
@@ -197,44 +198,23 @@ def _train(ex, cfg: dict, device) -> dict:
 # ------------------------------------------------------------------- the parent
 
 
-def _kill_group(proc: subprocess.Popen) -> None:
-    try:
-        os.killpg(proc.pid, signal.SIGKILL)
-    except ProcessLookupError:  # it ended on its own meanwhile
-        pass
-
-
 def run_config(cfg: dict, *, timeout_s: float) -> dict:
     """Run one mode x configuration in a fresh process; echo its output; parse its result."""
     env = dict(os.environ, PYTHONUNBUFFERED="1")
     env.setdefault("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")  # less fragmentation near the limit
     cmd = [sys.executable, str(Path(__file__).resolve()), "--worker", json.dumps(cfg)]
-    proc = subprocess.Popen(cmd, env=env, text=True, start_new_session=True,
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
-    timed_out = threading.Event()
-    timer = threading.Timer(max(timeout_s, 0.0), lambda: (timed_out.set(), _kill_group(proc)))
-    timer.start()
-    tail, result = [], None
-    try:
-        for line in proc.stdout:
-            if line.startswith(RESULT_TAG):
-                result = json.loads(line[len(RESULT_TAG):])
-                continue
-            print(line, end="", flush=True)
-            tail = (tail + [line])[-20:]
-        proc.wait()
-    finally:
-        timer.cancel()
+    run = run_worker(cmd, env=env, timeout_s=timeout_s, tag=RESULT_TAG, tail_lines=20)
+    result, tail = run.result, run.tail
     if result is not None:
         return result
     base = {"mode": cfg["mode"], "config": cfg["config"], "n_params": n_params(cfg["model"]),
             "tokens_per_step": cfg["tokens_per_step"], "log_tail": "".join(tail)}
-    if timed_out.is_set():
+    if run.timed_out:
         return dict(base, status=TIMED_OUT, error=f"timed out after {timeout_s:.0f} s")
-    if proc.returncode == -signal.SIGKILL:  # not ours: the kernel's out-of-memory killer, most likely
+    if run.returncode == -signal.SIGKILL:  # not ours: the kernel's out-of-memory killer, most likely
         return dict(base, status=NO_FIT, error="killed (SIGKILL): host out of memory, most likely")
     last = next((l.strip() for l in reversed(tail) if l.strip()), "")
-    return dict(base, status=ERROR, error=f"exit code {proc.returncode}: {last}"[:500])
+    return dict(base, status=ERROR, error=f"exit code {run.returncode}: {last}"[:500])
 
 
 def measure(plan: dict, *, time_limit_s: float, run: Callable[..., dict] = run_config,

@@ -31,11 +31,8 @@ import json
 import math
 import os
 import platform
-import signal
 import statistics
-import subprocess
 import sys
-import threading
 import time
 from pathlib import Path
 from typing import Optional
@@ -43,15 +40,17 @@ from typing import Optional
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # e2e_report, also when loaded by path
 from e2e_report import (LABELS, MODES, build_report, format_table, plot,  # noqa: E402
                         summarize, summary_lines, write_json)
+from worker_process import run_worker  # noqa: E402
 
-# The report functions are re-exported: one module to import for the whole benchmark.
 # The max_norm each clipping mode passes to the example's clip_gradients().
 CLIP_NORMS = {"full+clip": 1e6, "full+clip_all": 1e-6}
+
 # The cpu_offload modes: mode -> (offload=, state_dtype name) for the example's build_optimizer().
 OFFLOAD_OPTIONS = {"none": ("none", "float32"), "optimizer": ("optimizer", "float32"), "full": ("full", "float32"),
                    "full+clip": ("full", "float32"), "full+clip_all": ("full", "float32"),
                    "full_bf16": ("full", "bfloat16")}
 
+# The report functions are re-exported: one module to import for the whole benchmark.
 __all__ = ["LABELS", "MODES", "build_report", "format_table", "plot", "summarize", "summary_lines",
            "write_json", "exposed_wait", "host_bandwidth_gbs", "run_config", "worker", "main"]
 
@@ -190,13 +189,6 @@ def _error_line(lines: list[str]) -> str:
     return texts[-1] if texts else ""
 
 
-def _kill_group(proc: subprocess.Popen) -> None:
-    try:
-        os.killpg(proc.pid, signal.SIGKILL)
-    except ProcessLookupError:  # it ended on its own meanwhile
-        pass
-
-
 def run_config(cfg: dict, *, nproc: int, timeout_s: float) -> dict:
     """Run one configuration in a fresh process; echo its output; parse its result line."""
     if cfg["mode"] == "torchao" and nproc > 1:
@@ -209,24 +201,10 @@ def run_config(cfg: dict, *, nproc: int, timeout_s: float) -> dict:
         # NOTE: torchrun would set OMP_NUM_THREADS=1, starving the CPU optimizer steps
         # of the reference rows (torch's CPU AdamW); give each rank its share instead.
         env["OMP_NUM_THREADS"] = str(max(1, _cpu_count() // nproc))
-    # A session of its own, so a timeout kills torchrun's workers along with torchrun.
-    proc = subprocess.Popen(_subprocess_cmd(cfg, nproc), env=env, text=True, start_new_session=True,
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
-    timer = threading.Timer(timeout_s, _kill_group, (proc,))
-    timer.start()
-    tail, result = [], None
-    try:
-        for line in proc.stdout:
-            if line.startswith(RESULT_TAG):
-                result = json.loads(line[len(RESULT_TAG):])
-                continue
-            print(line, end="", flush=True)
-            tail = (tail + [line])[-30:]
-        proc.wait()
-    finally:
-        timer.cancel()
+    run = run_worker(_subprocess_cmd(cfg, nproc), env=env, timeout_s=timeout_s, tag=RESULT_TAG, tail_lines=30)
+    result, tail = run.result, run.tail
     if result is None:
-        why = "timed out" if proc.returncode in (-9, 137) else f"exit code {proc.returncode}"
+        why = "timed out" if run.timed_out or run.returncode in (-9, 137) else f"exit code {run.returncode}"
         last = _error_line(tail)
         result = {"mode": cfg["mode"], "tokens_per_step": cfg["tokens_per_step"],
                   "error": f"{why}: {last}", "log_tail": "".join(tail)}
