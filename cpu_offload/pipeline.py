@@ -87,7 +87,6 @@ class Pipeline:
         self._runner = ChunkRunner(transfer=transfer, algorithm=algorithm, h2d=h2d, accumulate=accumulate,
                                    timeout_s=timeout_s, stats=self.stats, lock=self._cv, release=self._release_input,
                                    diagnose=self.diagnose)
-        self._accumulate = accumulate
         self._runner.copy_grads = copy_grads
         self._runner.track_norms = norm_slots > 0
         self._runner.skip_nonfinite = skip_nonfinite and norm_slots > 0
