@@ -12,17 +12,30 @@ struct VecAvx512 {
   static constexpr int N = 16;
   static F load(const float* p) { return _mm512_loadu_ps(p); }
   static void store(float* p, F x) { _mm512_storeu_ps(p, x); }
+  // bf16 -> fp32 is exact: the 16 bits become the high half of the fp32 word.
+  // NOTE: one word permute does the widening: odd words (high halves) take elements 0-15 of
+  // the 256-bit load, the zero mask clears the even words (low halves).
   static F load_bf16(const uint16_t* p) {
-    __m512i w = _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
-    return _mm512_castsi512_ps(_mm512_slli_epi32(w, 16));
+    const __m512i w = _mm512_castsi256_si512(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+    const __m512i to_high_half = _mm512_set_epi16(15, 0, 14, 0, 13, 0, 12, 0, 11, 0, 10, 0, 9, 0, 8, 0,
+                                                  7, 0, 6, 0, 5, 0, 4, 0, 3, 0, 2, 0, 1, 0, 0, 0);
+    return _mm512_castsi512_ps(_mm512_maskz_permutexvar_epi16(0xAAAAAAAAu, to_high_half, w));
   }
+  // fp32 -> bf16, round to nearest even: the high half of u + 0x7FFF + lsb, where lsb is
+  // bit 16 of u (the last bit kept), so a tie rounds up exactly when lsb is odd; the carry
+  // out of the low half also rounds denormals and overflows to inf correctly. NaN -> 0x7FC0.
   static __m256i round_bf16(F x) {
-    __m512i u = _mm512_castps_si512(x);
-    __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1));
-    __m512i r = _mm512_srli_epi32(_mm512_add_epi32(u, _mm512_add_epi32(lsb, _mm512_set1_epi32(0x7FFF))), 16);
-    __mmask16 is_nan = _mm512_cmp_ps_mask(x, x, _CMP_UNORD_Q);
-    r = _mm512_mask_blend_epi32(is_nan, r, _mm512_set1_epi32(0x7FC0));
-    return _mm512_cvtepi32_epi16(r);
+    const __m512i u = _mm512_castps_si512(x);
+    const __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1));
+    const __m512i r = _mm512_add_epi32(_mm512_add_epi32(u, _mm512_set1_epi32(0x7FFF)), lsb);
+    // NOTE: one masked word permute gathers the 16 high halves into the low 256 bits and
+    // puts the canonical NaN in the lanes of NaN inputs (mask bit i: element i is not NaN),
+    // where the rounding sum is wrong (a payload can carry into the exponent or the sign).
+    const __mmask32 not_nan = _mm512_cmp_ps_mask(x, x, _CMP_ORD_Q);
+    const __m512i high_halves = _mm512_set_epi16(0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0,
+                                                 31, 29, 27, 25, 23, 21, 19, 17, 15, 13, 11, 9, 7, 5, 3, 1);
+    return _mm512_castsi512_si256(
+        _mm512_mask_permutexvar_epi16(_mm512_set1_epi16(0x7FC0), not_nan, high_halves, r));
   }
   static void store_bf16(uint16_t* p, F x) {
     _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), round_bf16(x));
