@@ -1,9 +1,11 @@
 # Copies of optimizer state between host buffers and the device, for the
-# "optimizer" offload mode: two side streams and the events that order them
-# against the compute stream, plus the synchronous fallback for CPU parameters.
+# "optimizer" offload mode: a chain of copies per direction and the events that
+# order them against the compute stream, plus the synchronous fallback for CPU
+# parameters.
 #
 # Scope: issue copy-ins (host -> device) and copy-outs (device -> host) of
-# whole state tensors, make the compute stream wait for the copy-ins, tell when
+# whole state tensors, make the compute stream wait for the copy-ins (and for
+# the copy-outs that must free memory before the next forward), tell when
 # copy-outs have landed. The orderings are written down where they are made.
 # Non-goals: deciding what to copy and when (state_staging.py); the staging
 # rings of full offload (transfer.py).
@@ -14,30 +16,29 @@ from typing import Any, Optional
 
 import torch
 
-__all__ = ["CudaStateCopies", "SyncStateCopies", "make_state_copies"]
+from cpu_offload.copy_chain import CopyChain
 
-# One event per this many bytes of copy-outs: a copy-in of the next step waits
-# for the event that covers its own buffers, not for every copy-out.
-EVENT_BYTES = 64 << 20
+__all__ = ["CudaStateCopies", "SyncStateCopies", "make_state_copies"]
 
 
 class CudaStateCopies:
-    """Copies on two side streams of one CUDA device.
+    """Copies of one CUDA device, as chains of slices (copy_chain.py says why):
+    one chain host -> device, one device -> host.
 
     The four hand-offs, each an event waited on a stream (never the CPU):
 
     1. copy-in after compute: the device tensors come from the compute stream's
        pool, whose freed blocks may still be read by kernels queued there, so
-       the H2D stream first waits for everything queued on the compute stream.
-    2. copy-in after the last copy-out into the same host buffer (``after``).
+       the copy-in first waits for everything queued on the compute stream.
+    2. copy-in after the last copy-out from the same host buffer (``after``).
     3. the step after its copy-ins: ``compute_waits_for_copy_ins``.
-    4. copy-out after the step: the D2H stream waits for the compute stream.
+    4. copy-out after the step: the copy-out waits for the compute stream.
     """
 
     def __init__(self, device: torch.device) -> None:
         self.device = device
-        self.h2d = torch.cuda.Stream(device)
-        self.d2h = torch.cuda.Stream(device)
+        self.h2d = CopyChain(device)
+        self.d2h = CopyChain(device)
         self.compute = torch.cuda.current_stream(device)
         self.last_out: Optional[torch.cuda.Event] = None  # after the latest copy-out issued
 
@@ -46,23 +47,20 @@ class CudaStateCopies:
         self.compute = torch.cuda.current_stream(self.device)
 
     def copy_in(self, hosts: list, after: Any = None) -> list:
-        """Device copies of ``hosts`` (same shapes, dtypes and strides), issued on the H2D stream."""
+        """Device copies of ``hosts`` (same shapes, dtypes and strides), issued on the H2D chain."""
         with torch.cuda.device(self.device):
             with torch.cuda.stream(self.compute):
                 devs = [torch.empty_like(h, device=self.device) for h in hosts]
             # NOTE (1): may be called from a gradient hook, whose current stream
             # is the autograd or FSDP2 reduce stream: the allocation above is
-            # made for the compute stream explicitly, and this event orders the
-            # writes after every kernel already queued there.
-            self.h2d.wait_event(self.compute.record_event())
-            if after is not None:
-                self.h2d.wait_event(after)  # NOTE (2): the host buffer holds the last step's values
-            with torch.cuda.stream(self.h2d):
-                for dev, host in zip(devs, hosts):
-                    dev.copy_(host, non_blocking=True)
-                    # NOTE: a copy that is dropped unused (a discarded prefetch)
-                    # frees its block only once the H2D stream is past the write.
-                    dev.record_stream(self.h2d)
+            # made for the compute stream explicitly, and the copies wait for
+            # every kernel already queued there.
+            waits = [self.compute.record_event()]
+        if after is not None:
+            waits.append(after)  # NOTE (2): the host buffer holds the last step's values
+        # NOTE: a copy that is dropped unused (a discarded prefetch) frees its
+        # block only once the H2D chain is past the write.
+        self.h2d.copy(list(zip(devs, hosts)), waits=tuple(waits), device_side=devs)
         return devs
 
     def compute_waits_for_copy_ins(self, timed: bool = False) -> Any:
@@ -83,34 +81,34 @@ class CudaStateCopies:
             end.record(self.compute)
         return (start, end) if timed else None
 
-    def copy_out(self, groups: list) -> list:
-        """Issue ``host.copy_(dev)`` for each pair of each group on the D2H stream;
-        returns, per group, an event that completes once the group's copies have."""
-        # NOTE (4): the copies read the values the step just wrote.
-        self.d2h.wait_event(self.compute.record_event())
-        events: list = []
-        open_groups, pending = 0, 0
-        with torch.cuda.device(self.device), torch.cuda.stream(self.d2h):
+    def copy_out(self, groups: list, overlap_bytes: int = 0) -> tuple:
+        """``host.copy_(dev)`` for each pair of each group, on the D2H chain.
+
+        The compute stream waits for all but the last ``overlap_bytes``: their
+        device copies must be gone before the next forward's activations need
+        the memory. The rest overlaps what follows. Returns, per group, the
+        event after its copies, and timing events around the part the compute
+        stream waits for, with its bytes (None when there is none)."""
+        total = sum(dev.numel() * dev.element_size() for pairs in groups for _, dev in pairs)
+        waited_for = max(0, total - overlap_bytes)
+        with torch.cuda.device(self.device):
+            # NOTE (4): the copies read the values the step just wrote.
+            self.d2h.wait_event(self.compute.record_event())
+            start = end = None
+            if waited_for:
+                start = self.d2h.record_event(torch.cuda.Event(enable_timing=True))
+            events, copied, waited_bytes = [], 0, 0
             for pairs in groups:
-                for host, dev in pairs:
-                    host.copy_(dev, non_blocking=True)
-                    # NOTE: the caller drops ``dev`` right away; the caching
-                    # allocator hands its block out again only once the D2H
-                    # stream has passed this copy (and, when memory runs short,
-                    # waits for that instead of failing).
-                    dev.record_stream(self.d2h)
-                    pending += dev.numel() * dev.element_size()
-                open_groups += 1
-                if pending >= EVENT_BYTES:
-                    events.extend([self.d2h.record_event()] * open_groups)
-                    open_groups, pending = 0, 0
-            if open_groups or not events:
-                last = self.d2h.record_event()
-                events.extend([last] * open_groups)
-            else:
-                last = events[-1]
-        self.last_out = last
-        return events
+                events.append(self.d2h.copy(list(pairs), device_side=[dev for _, dev in pairs]))
+                copied += sum(dev.numel() * dev.element_size() for _, dev in pairs)
+                if start is not None and end is None and copied >= waited_for:
+                    end = self.d2h.record_event(torch.cuda.Event(enable_timing=True))
+                    self.compute.wait_event(end)
+                    waited_bytes = copied
+        timing = (start, end, waited_bytes) if start is not None else None
+        if events:
+            self.last_out = events[-1]
+        return events, timing
 
     def wait_copy_outs(self) -> None:
         """Block the CPU until every copy-out issued so far has landed in host memory."""
@@ -140,11 +138,11 @@ class SyncStateCopies:
     def compute_waits_for_copy_ins(self, timed: bool = False) -> Any:
         return None
 
-    def copy_out(self, groups: list) -> list:
+    def copy_out(self, groups: list, overlap_bytes: int = 0) -> tuple:
         for pairs in groups:
             for host, dev in pairs:
                 host.copy_(dev)
-        return [None] * len(groups)
+        return [None] * len(groups), None
 
     def wait_copy_outs(self) -> None:
         pass

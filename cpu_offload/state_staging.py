@@ -1,18 +1,20 @@
 # Where the optimizer state of the "optimizer" offload mode is, and moving it:
 # host buffers between steps; device copies prefetched during backward, as
 # gradients arrive (bounded by a byte cap); the rest copied in by step(); all of
-# it copied back out right after the step, overlapped with what follows.
+# it copied back out after the step, as much of it overlapped with the next
+# forward as that forward's memory allows (writeback_overlap.py).
 #
 # Scope: the host buffers, the gradient hooks that prefetch, the per-step
 # bookkeeping (accumulation, arrival order, the cap) and the figures of stats().
 # Non-goals: the torch.optim.Optimizer surface (state_offload.py), streams and
-# events (state_copies.py), splitting the wrapped optimizer's step.
+# events (state_copies.py, copy_chain.py), splitting the wrapped optimizer's step.
 #
 # The life of one state tensor (AdamW's exp_avg of one parameter), step n:
 #   host buffer ──(gradient hook of the window's last backward: copy-in on the
-#   H2D stream, unless the cap is reached)──► device copy ──(step(): the rest is
+#   H2D chain, unless the cap is reached)──► device copy ──(step(): the rest is
 #   copied in; compute waits for all copy-ins; the wrapped optimizer steps)──►
-#   ──(copy-out on the D2H stream after the step; the device copy is dropped)──►
+#   ──(copy-out on the D2H chain after the step, before the next forward or
+#   during it; the device copy is freed once copied)──►
 #   host buffer, read by the copy-in of step n+1 only after that copy-out.
 
 from __future__ import annotations
@@ -26,6 +28,7 @@ import torch
 from cpu_offload.backward_tracking import watch_backward
 from cpu_offload.dtensor import as_dtensor_like, local_of
 from cpu_offload.state_copies import make_state_copies
+from cpu_offload.writeback_overlap import WritebackOverlap
 
 __all__ = ["StateStaging"]
 
@@ -71,6 +74,7 @@ class StateStaging:
         self.copies: dict = {}  # device -> CudaStateCopies | SyncStateCopies
         self.out_events: dict = {}  # id(param) -> event after the last copy-out of its state
         self.prefetched: dict = {}  # id(param) -> {key: (host tensor, device copy)}
+        self.overlap = WritebackOverlap()
         self.staged_bytes = 0  # bytes in ``prefetched``
         self.prefetch_failed = False  # a prefetch ran out of device memory: none until the next step
         self.window = 0  # the most backward passes completed between two steps so far
@@ -81,7 +85,7 @@ class StateStaging:
         self.h2d_bytes = 0  # since the last step, prefetches included
         self.timing = None  # the last step's timing events around the wait for copy-ins
         self.last_stats = {"h2d_bytes": 0, "d2h_bytes": 0, "prefetched_bytes": 0, "step_copied_bytes": 0,
-                           "step_blocked_s": 0.0, "copy_wait_s": 0.0, "host_bytes": 0}
+                           "overlapped_d2h_bytes": 0, "step_blocked_s": 0.0, "copy_wait_s": 0.0, "host_bytes": 0}
         # NOTE: hooks run on autograd's device threads (FSDP2: on its reduce path);
         # the lock keeps them from interleaving with each other and with step().
         self.lock = threading.Lock()
@@ -107,6 +111,10 @@ class StateStaging:
                 self.watching = True
                 watch_backward(self._backward_ended, self._backward_died)
             if id(p) not in self.arrived:
+                if not self.arrived:
+                    engine = self.copies.get(local_of(p).device)
+                    if engine is not None and engine.device.type == "cuda":
+                        self.overlap.gradient_arrived(engine.compute)
                 self.arrived.add(id(p))
                 self.arrival.append(p)
             # NOTE: a prefetch before the window's last backward would hold the
@@ -169,8 +177,11 @@ class StateStaging:
         """Drop the copies made since the last step (the host buffers may be
         about to change); step() copies the state in again."""
         with self.lock:
-            self.prefetched.clear()  # NOTE: safe: each device copy was record_stream'ed on the H2D stream
-            self.staged_bytes = 0
+            self._clear_prefetched()
+
+    def _clear_prefetched(self) -> None:
+        self.prefetched.clear()  # NOTE: safe: each device copy was marked used by the H2D chain
+        self.staged_bytes = 0
 
     def reset_window(self) -> None:
         """zero_grad(): the next backward starts a new accumulation window."""
@@ -192,9 +203,8 @@ class StateStaging:
             step()
         finally:
             with self.lock:
-                d2h = self._copy_out()
-                self.prefetched.clear()
-                self.staged_bytes = 0
+                d2h, overlapped = self._copy_out(self.overlap.overlap_bytes())
+                self._clear_prefetched()
                 self.window = max(self.window, self.completed)
                 self.completed = 0
                 self.arrived.clear()
@@ -202,7 +212,8 @@ class StateStaging:
                 self.prefetch_failed = False
                 h2d, self.h2d_bytes = self.h2d_bytes + copied, 0
         self.last_stats = {"h2d_bytes": h2d, "d2h_bytes": d2h, "prefetched_bytes": used,
-                           "step_copied_bytes": copied, "step_blocked_s": time.perf_counter() - start,
+                           "step_copied_bytes": copied, "overlapped_d2h_bytes": overlapped,
+                           "step_blocked_s": time.perf_counter() - start,
                            "copy_wait_s": None if self.timing else 0.0,
                            "host_bytes": sum(_nbytes(t) for t in self.host.values())}
 
@@ -244,9 +255,10 @@ class StateStaging:
             self.timing = self.timing or timing
         return used, copied
 
-    def _copy_out(self) -> int:
+    def _copy_out(self, overlap_bytes: int = 0) -> tuple:
         """Move every device state tensor (dim >= 1, on its parameter's device)
-        to its host buffer; returns the bytes copied."""
+        to its host buffer, all but ``overlap_bytes`` of it before the compute
+        stream goes on; returns the bytes copied, and those left to overlap."""
         by_device: dict = {}
         for p in self._params():
             state = self.optimizer.state.get(p)
@@ -269,13 +281,18 @@ class StateStaging:
                 state[key] = as_dtensor_like(host, value)
             if pairs:
                 by_device.setdefault(device, []).append((p, pairs))
-        moved = 0
+        moved = overlapped = 0
         for device, items in by_device.items():
-            events = self._engine(device).copy_out([pairs for _, pairs in items])
-            for (p, pairs), event in zip(items, events):
+            engine = self._engine(device)
+            events, timing = engine.copy_out([pairs for _, pairs in items], overlap_bytes)
+            nbytes = sum(_nbytes(host) for _, pairs in items for host, _ in pairs)
+            for (p, _), event in zip(items, events):
                 self.out_events[id(p)] = event
-                moved += sum(_nbytes(host) for host, _ in pairs)
-        return moved
+            moved += nbytes
+            if device.type == "cuda":
+                overlapped += nbytes - (timing[2] if timing else 0)
+                self.overlap.step_ended(engine.compute, timing)
+        return moved, overlapped
 
     # ------------------------------------------------------------ waiting
     def wait(self) -> None:

@@ -286,11 +286,11 @@ def test_hand_offs_happen_in_order():
         def compute_waits_for_copy_ins(self, timed=False):
             log.append(("wait",))
 
-        def copy_out(self, groups):
-            super().copy_out(groups)
-            events = [("out", len(log), frozenset(id(h) for h, _ in pairs)) for pairs in groups]
-            log.extend(events)
-            return events
+        def copy_out(self, groups, overlap_bytes=0):
+            super().copy_out(groups, overlap_bytes)
+            jobs = [("out", len(log), frozenset(id(h) for h, _ in pairs)) for pairs in groups]
+            log.extend(jobs)
+            return jobs, None
 
     _, _, model, opt = pair("adamw")
     opt._staging.copies[CPU] = Recording(CPU)
@@ -348,10 +348,11 @@ def test_options_are_checked():
 def test_stats_before_and_after_a_step():
     _, _, model, opt = pair("adamw")
     assert opt.stats() == {"h2d_bytes": 0, "d2h_bytes": 0, "prefetched_bytes": 0, "step_copied_bytes": 0,
-                           "step_blocked_s": 0.0, "copy_wait_s": 0.0, "host_bytes": 0}
+                           "overlapped_d2h_bytes": 0, "step_blocked_s": 0.0, "copy_wait_s": 0.0, "host_bytes": 0}
     train(model, opt, range(2))
     stats = opt.stats()
     assert stats["host_bytes"] == state_bytes(opt) == stats["d2h_bytes"]
+    assert stats["overlapped_d2h_bytes"] == 0  # CPU parameters: plain synchronous copies
     assert stats["step_blocked_s"] > 0 and stats["copy_wait_s"] == 0.0
 
 
