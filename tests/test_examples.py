@@ -5,9 +5,9 @@
 # reproduces step 3 exactly; 1 process × 4 rows and 2 processes × 2 rows see the same
 # samples, so their losses agree; SignSGD gives the same losses with and without full
 # offload; full offload moves the bytes the design says, and trains alike with bf16
-# moments (--state-dtype). The model's options (tied head, no rotary embeddings) are
-# checked on the model itself. The quickstart is the README's Usage example and trains in
-# every mode.
+# moments (--state-dtype). The synthetic data (noisy walks of one permutation) and the
+# model's options (tied head, no rotary embeddings) are checked on their own. The
+# quickstart is the README's Usage example and trains in every mode.
 #
 # NOTE: to keep the suite fast on a small CI host, each world size is one process per
 # rank that imports torch once and calls the example's main(argv) for every case
@@ -214,6 +214,31 @@ def test_bf16_moments_train_like_fp32_moments(runs):
     # fp32 master + fp32 accumulator (grad_accum 2) + two bf16 moments: 12 B per element,
     # against 16 B with fp32 moments
     assert bf16[-1]["offload"]["host_bytes"] * 4 == fp32[-1]["offload"]["host_bytes"] * 3
+
+
+def test_synthetic_batch_is_a_noisy_permutation_walk():
+    import torch
+
+    train_fsdp = _example_module("train_fsdp")
+    cpu = torch.device("cpu")
+    kw = dict(seq_len=256, vocab_size=1000, seed=3, device=cpu)
+    order, index = train_fsdp.walk_cycle(3, 1000, cpu)
+    assert train_fsdp.walk_cycle(3, 1000, cpu)[0] is order  # cached, not drawn again
+    assert torch.equal(order.sort().values, torch.arange(1000)) and torch.equal(order[index], torch.arange(1000))
+    perm = torch.empty_like(order)
+    perm[order] = order.roll(-1)  # next token = perm[token]
+    for step in (0, 7):  # one permutation for every step
+        inputs, targets = train_fsdp.synthetic_batch(step, 1, rank=0, world=1, batch_size=64, **kw)
+        assert inputs.shape == targets.shape == (64, 256) and torch.equal(inputs[:, 1:], targets[:, :-1])
+        follows = (perm[inputs] == targets).float().mean().item()
+        assert 0.77 < follows < 0.85, follows  # both tokens kept: 0.9 * 0.9
+    # N ranks x B rows see the rows of 1 rank x N*B rows; the same (seed, step, micro), the same batch
+    whole = train_fsdp.synthetic_batch(2, 0, rank=0, world=1, batch_size=4, **kw)[0]
+    halves = [train_fsdp.synthetic_batch(2, 0, rank=r, world=2, batch_size=2, **kw)[0] for r in (0, 1)]
+    assert torch.equal(torch.cat(halves), whole)
+    assert not torch.equal(train_fsdp.synthetic_batch(2, 1, rank=0, world=1, batch_size=4, **kw)[0], whole)
+    other = train_fsdp.walk_cycle(4, 1000, cpu)[0]  # another seed, another permutation
+    assert not torch.equal(other, order)
 
 
 def test_tied_head_and_no_rope():

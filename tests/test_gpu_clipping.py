@@ -16,7 +16,9 @@ import torch.nn.functional as F
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
 
 EXAMPLES = pathlib.Path(__file__).resolve().parent.parent / "examples"
-STEPS, SEQ, CLIP = 20, 256, 1.0
+# NOTE: on the example's data the gradient norms of these steps run from about 0.7 to
+# 20 (they grow as the model learns the data's permutation): CLIP clips about half.
+STEPS, SEQ, CLIP = 20, 256, 4.0
 LOSS_SCALES = [0.5, 2.0, 1.0, 3.0, 0.3, 1.5]
 
 
