@@ -83,6 +83,15 @@ def test_clipped_training_matches_torch(grad_copy):
     for ours, theirs, want in zip(norms, ref_norms, exact):
         assert abs(ours - want) <= 1e-6 * want, dict(ours=ours, torch_float32=theirs, torch_float64=want)
         assert abs(theirs - want) <= 1e-4 * want
+    # NOTE: a redone step restores the second moment by inverse arithmetic, whose float32 error
+    # grows like 2^-24 * r^2, r the ratio of the speculative factor (the previous step's clip
+    # coefficient) to the final one; the errors of successive redos decay with beta2. This
+    # test's loss scales make r jump up to ~4, so the bound is that sum, at 4 ulps a step.
+    coefs = [min(1.0, CLIP / (n + 1e-6)) for n in exact]
+    ratios = [max(a / b, b / a) for a, b in zip([1.0] + coefs[:-1], coefs)]
+    beta2 = opt.param_groups[0]["betas"][1]
+    second_moment_bound = max(1e-5, 4 * 2.0 ** -24 * sum(beta2 ** (STEPS - 1 - s) * (1 + r * r)
+                                                          for s, r in enumerate(ratios)))
     state = opt.state
     for p in model.parameters():
         n = names[id(p)]
@@ -90,7 +99,8 @@ def test_clipped_training_matches_torch(grad_copy):
         for key, want in (("master", params[n].detach()), ("exp_avg", theirs["exp_avg"]),
                           ("exp_avg_sq", theirs["exp_avg_sq"])):
             got = mine[key].view(want.shape)
-            assert float((got - want).norm() / want.norm()) < 1e-5, (n, key)
+            bound = second_moment_bound if key == "exp_avg_sq" else 1e-5
+            assert float((got - want).norm() / want.norm()) < bound, (n, key, bound)
         assert torch.equal(p.detach().cpu(), mine["master"].view(p.shape).to(torch.bfloat16)), n
     opt.close()
 
