@@ -1,7 +1,10 @@
 # Shared fixtures: ISA parametrization that skips (visibly) targets this CPU lacks, a
-# reset of the frameworks' process-wide state between tests, a one-rank NCCL group.
+# reset of the frameworks' process-wide state between tests, a one-rank NCCL group, and
+# the loading of a benchmark script as a module.
+import importlib.util
 import socket
 import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -51,6 +54,17 @@ def fresh_accelerate_state():
 
         AcceleratorState._reset_state(True)
         GradientState._reset_state()
+
+
+def load_benchmark(file_name: str, module_name: str):
+    """benchmarks/<file_name> imported as ``module_name`` (registered in sys.modules, where
+    dataclasses and pickling look a module up)."""
+    path = Path(__file__).resolve().parents[1] / "benchmarks" / file_name
+    spec = importlib.util.spec_from_file_location(module_name, path)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[module_name] = module
+    spec.loader.exec_module(module)
+    return module
 
 
 def free_port() -> int:

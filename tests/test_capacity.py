@@ -8,7 +8,6 @@
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import math
 import os
@@ -17,17 +16,14 @@ from pathlib import Path
 
 import pytest
 import torch
+from conftest import load_benchmark
 
 ROOT = Path(__file__).resolve().parents[1]
 
 
 @pytest.fixture(scope="module")
 def capacity():
-    spec = importlib.util.spec_from_file_location("capacity_bench", ROOT / "benchmarks" / "capacity.py")
-    module = importlib.util.module_from_spec(spec)
-    sys.modules["capacity_bench"] = module
-    spec.loader.exec_module(module)
-    return module
+    return load_benchmark("capacity.py", "capacity_bench")
 
 
 def test_tiny_run_reports_fits_and_forced_failures(capacity, tmp_path, capsys):

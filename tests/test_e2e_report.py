@@ -8,24 +8,20 @@ from __future__ import annotations
 
 import importlib.util
 import json
-import sys
 from pathlib import Path
 
 import pytest
 import torch
 
 import cpu_offload
+from conftest import load_benchmark
 
 ROOT = Path(__file__).resolve().parents[1]
 
 
 @pytest.fixture(scope="module")
 def e2e():
-    spec = importlib.util.spec_from_file_location("e2e_bench", ROOT / "benchmarks" / "e2e.py")
-    module = importlib.util.module_from_spec(spec)
-    sys.modules["e2e_bench"] = module
-    spec.loader.exec_module(module)
-    return module
+    return load_benchmark("e2e.py", "e2e_bench")
 
 
 def _fake(mode, tokens, times, peak, wait=None, losses=None, error=None):

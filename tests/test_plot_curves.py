@@ -14,17 +14,14 @@ import sys
 from pathlib import Path
 
 import pytest
+from conftest import load_benchmark
 
 ROOT = Path(__file__).resolve().parents[1]
 
 
 @pytest.fixture(scope="module")
 def curves():
-    spec = importlib.util.spec_from_file_location("plot_curves", ROOT / "benchmarks" / "plot_curves.py")
-    module = importlib.util.module_from_spec(spec)
-    sys.modules["plot_curves"] = module
-    spec.loader.exec_module(module)
-    return module
+    return load_benchmark("plot_curves.py", "plot_curves")
 
 
 def _write(path: Path, losses: list[float], first_step: int = 1) -> Path:
