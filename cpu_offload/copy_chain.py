@@ -78,6 +78,7 @@ class CopyChain:
         hands its block out again only once the copies are past it."""
         for event in waits:
             self.wait_event(event)
+        before = self.last
         with torch.cuda.device(self.device):
             for dst, src in pairs:
                 for part_dst, part_src in _slices(dst, src):
@@ -91,7 +92,7 @@ class CopyChain:
             for tensor in device_side:
                 for stream in self.streams:
                     tensor.record_stream(stream)
-        if self.last is None:  # nothing to copy: still an event after the waits
+        if self.last is before:  # nothing copied: still an event after the waits
             return self.record_event()
         return self.last
 

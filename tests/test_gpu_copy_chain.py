@@ -62,3 +62,16 @@ def test_jobs_wait_for_their_events_and_for_each_other():
     last = h2d.copy([(again, dev)])  # issued after the copy above in the same chain
     last.synchronize()
     assert torch.equal(dev, values) and torch.equal(again, values)
+
+
+def test_a_job_with_nothing_to_copy_still_waits_for_its_events():
+    device = torch.device("cuda", torch.cuda.current_device())
+    chain = CopyChain(device)
+    chain.copy([(torch.empty(16, device="cuda"), torch.ones(16).pin_memory())]).synchronize()  # an earlier job
+    slow = torch.cuda.Stream()
+    with torch.cuda.stream(slow):
+        torch.cuda._sleep(200_000_000)
+    done = chain.copy([], waits=(slow.record_event(),))
+    assert not done.query(), "the event of an empty job did not wait for the job's events"
+    slow.synchronize()
+    done.synchronize()
