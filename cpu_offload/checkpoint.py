@@ -17,8 +17,14 @@ import torch
 from cpu_offload.dtensor import as_dtensor_like, local_of
 from cpu_offload.host_state import ParamRecord
 
-__all__ = ["state_view", "state_dict", "load_state_dict"]
+__all__ = ["state_view", "state_dict", "load_state_dict", "SPECULATION_KEY"]
 
+# NOTE: the factor the next step speculates with (the last step's clipping coefficient and
+# late scale_grads_ factors) decides which bits a redo produces, so a resume is bit-identical
+# only with it. Saved in every param group (one value per optimizer): torch.distributed's
+# get_optimizer_state_dict keeps group keys but drops other top-level keys; never written
+# into the live groups.
+SPECULATION_KEY = "speculation_factor"
 _HOST_KEYS = ("master", "exp_avg", "exp_avg_sq")
 
 
@@ -49,6 +55,7 @@ def state_dict(opt) -> dict:
     for group in opt.param_groups:
         packed = {k: v for k, v in group.items() if k != "params"}
         packed["params"] = list(range(index, index + len(group["params"])))
+        packed[SPECULATION_KEY] = opt._validator.predicted
         index += len(group["params"])
         groups.append(packed)
     state = {rec.index: _entry(opt, rec) for rec in opt._records}
@@ -102,8 +109,8 @@ def _validate(opt, sd: dict) -> list:
     for rec in opt._records:
         saved_id = saved_ids[rec.index]
         entry = state.get(saved_id, state.get(str(saved_id)))
-        if entry is None:  # never stepped in the saved run: the current master stays
-            plan.append((rec, 0, {"master": rec.master}))
+        if entry is None:  # never stepped in the saved run: step 0, the weights decide the master
+            plan.append((rec, 0, {}))
             continue
         where = f"state_dict['state'][{saved_id}]"
         if not isinstance(entry, dict) or "step" not in entry:
@@ -118,6 +125,20 @@ def _validate(opt, sd: dict) -> list:
     return plan
 
 
+def _speculation_factor(saved_groups) -> float:
+    """The saved factor (1: a checkpoint of a version without it, or of torch.optim.AdamW)."""
+    values = {g.get(SPECULATION_KEY, 1.0) for g in saved_groups}
+    if len(values) != 1:
+        raise ValueError(f"state_dict param_groups disagree on '{SPECULATION_KEY}': {sorted(values)}")
+    (value,) = values
+    if isinstance(value, torch.Tensor):
+        value = value.item()
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not (0 < value < float("inf")):
+        raise ValueError(f"state_dict param_groups[...]['{SPECULATION_KEY}'] must be a finite number > 0, "
+                         f"got {value!r}")
+    return float(value)
+
+
 def load_state_dict(opt, sd: dict) -> None:
     """Restore masters, moments, step counts and group options; refresh the
     device compute copy from the restored masters. All or nothing: the whole
@@ -129,6 +150,7 @@ def load_state_dict(opt, sd: dict) -> None:
     either float dtype load into the stored one (``copy_`` converts).
     """
     plan = _validate(opt, sd)
+    factor = _speculation_factor(sd["param_groups"])
     with torch.no_grad():
         for rec, step, tensors in plan:
             rec.step = step
@@ -146,8 +168,9 @@ def load_state_dict(opt, sd: dict) -> None:
                     flat.copy_(src)
         for saved, group in zip(sd["param_groups"], opt.param_groups):
             for k, v in saved.items():
-                if k not in ("params", "param_names"):
+                if k not in ("params", "param_names", SPECULATION_KEY):
                     group[k] = v  # in place: LR schedulers hold these dicts
         for rec in opt._records:
             local = rec.local()
             local.view(-1).copy_(rec.master.to(local.dtype))  # compute copy <- round(master)
+    opt._validator.predicted = factor

@@ -27,6 +27,9 @@ from cpu_offload.transfer import HostRing, Slot, wait_until
 __all__ = ["ChunkRunner"]
 
 _PLAN_CACHE_MAX = 4096
+# Largest |factor * g| whose square, times (1 - beta2) <= 1, stays far from float32's
+# maximum (3.4e38 = (1.8e19)**2).
+_SAFE_GRAD = 2.0**61
 
 
 @dataclass(eq=False)
@@ -73,6 +76,7 @@ class ChunkRunner:
 
     def reset_window(self) -> None:
         self.nonfinite = False  # a gradient of this window is NaN or Inf
+        self.held_back = False  # a chunk was not stepped speculatively: its g*g could overflow
         self.stepped: list = []  # (rec, start, numel, step used, hparams) of each stepped piece
 
     def forget_plans(self) -> None:
@@ -104,7 +108,7 @@ class ChunkRunner:
             if chunk.final and self.track_norms:
                 self.phase = "gradient norms"
                 self._read_norms(chunk)
-            if chunk.final and self.skip_nonfinite and self.nonfinite:
+            if chunk.final and ((self.skip_nonfinite and self.nonfinite) or self._hold_back(chunk)):
                 with self._lock:
                     self._release(chunk)
                 return
@@ -145,6 +149,22 @@ class ChunkRunner:
         finally:
             if out_slot is not None:
                 out_slot.owner = None
+
+    def _hold_back(self, chunk) -> bool:
+        """Whether this chunk (and the window's later ones) waits for the final factor.
+
+        NOTE: the speculative step squares each gradient times its factor in float32; once
+        (factor*|g|)**2 could overflow, v becomes Inf and no rollback recovers the old v
+        (Inf - Inf), whereas a late small factor (scale_grads_, clipping) would have kept the
+        step finite, as in torch. Such chunks are not stepped; step_validation redoes them
+        with the final factor. |g_i| <= the 2-norm of the piece's parameter (or accumulator
+        so far), so the test is conservative."""
+        if not (chunk.speculative and self.track_norms and self.algorithm == "adamw"):
+            return False
+        if not self.held_back:
+            self.held_back = any(math.sqrt(p.rec.grad_sq) * chunk.hparams[p.rec.group]["grad_scale"] > _SAFE_GRAD
+                                 for p in chunk.pieces)
+        return self.held_back
 
     def _read_norms(self, chunk) -> None:
         """Each piece's gradient norm: from the device's per-parameter norm, or of the

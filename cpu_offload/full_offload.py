@@ -15,10 +15,13 @@
 #                                                   every update of the window has landed)
 #   ACCUMULATING ──first gradient──► BACKWARD (pass j+1)
 #   ACCUMULATING ──step()──► IDLE (a short window: the optimizer runs on what was accumulated)
-#   ACCUMULATING ──zero_grad()──► IDLE (the window is discarded, like torch)
+#   ACCUMULATING ──zero_grad()──► IDLE (the window is discarded, like torch, with its factors)
+#   ACCUMULATING ──clip_grad_norm_()──► ACCUMULATING (drained first; the accumulators are
+#                                                   scaled in place, as torch scales .grad)
 #   APPLIED ──clip_grad_norm_() / scale_grads_()──► APPLIED (the window's factor changes;
 #                                                   applied at step() by a rollback and a redo)
 #   APPLIED ──step()──► IDLE;   APPLIED ──zero_grad()──► IDLE (the update stays applied; warned once)
+#   APPLIED ──load_state_dict()──► IDLE (the loaded state replaces the window's update)
 #   APPLIED ──first gradient──► error: step() or zero_grad() first (state unchanged)
 #   IDLE ──step()──► IDLE (nothing to do, as torch)
 #   BACKWARD ──backward raised──► ABORTED ──next hook or call──► IDLE: the parameters whose
@@ -30,6 +33,8 @@
 # closed as after an aborted backward, and the next window works again. When the
 # last backward ends, the speculative step is validated (step_validation.py):
 # skipped on a non-finite gradient, redone when clipping changes its factor.
+# NOTE: a rollback or redo (and a load) is atomic against Ctrl-C (interrupts.py): the
+# KeyboardInterrupt is raised once the call's mutation is complete.
 #
 # Scope: construction (checks, binding, host state, pinned rings, hooks), the
 # protocol above, zero_grad, clip_grad_norm_, stats, close. Non-goals:
@@ -57,6 +62,7 @@ from cpu_offload.host_state import (
 )
 from cpu_offload.dtensor import local_of
 from cpu_offload.dtype_hint import watch_first_forward
+from cpu_offload.interrupts import deferred_interrupts
 from cpu_offload.full_offload_setup import (
     bind_for, check_clipping_options, check_optimizer, check_options, read_hparams, staging_slot_bytes,
 )
@@ -185,10 +191,12 @@ class FullCPUOffloadOptimizer(WindowControls, torch.optim.Optimizer):
     ) -> None:
         self._proto = _Protocol()  # CLOSED until fully constructed
         self._algorithm = check_optimizer(optimizer)
+        self._bf16_moments = state_dtype == torch.bfloat16
         check_options(algorithm=self._algorithm, grad_accum_steps=grad_accum_steps, compute_dtype=compute_dtype,
                       state_dtype=state_dtype, num_slots=num_slots, pinned_bytes=pinned_bytes, timeout_s=timeout_s)
         max_grad_norm = check_clipping_options(max_grad_norm=max_grad_norm, skip_nonfinite=skip_nonfinite,
                                                grad_copy=grad_copy)
+        read_hparams(optimizer.param_groups, self._algorithm, bf16_moments=self._bf16_moments)
         tracking = skip_nonfinite or max_grad_norm is not None
         records, frozen = collect_records(optimizer)
         ownership.check_unowned(records)
@@ -323,7 +331,9 @@ class FullCPUOffloadOptimizer(WindowControls, torch.optim.Optimizer):
         # starts (the chunks are stepped during it), so an LR scheduler stepped
         # after step() applies to the next step, as with torch.
         hparams = self._read_hparams(speculate=True) if self._proto.final else None
-        self._pipeline.begin_backward(micro=self._proto.micro, final=self._proto.final, hparams=hparams)
+        self._validator.forget_norms()
+        self._pipeline.begin_backward(micro=self._proto.micro, final=self._proto.final, hparams=hparams,
+                                      speculative=self._proto.final)
 
     def _backward_ended(self, gen: int) -> None:
         if gen != self._proto.gen or self._proto.phase is not Phase.BACKWARD:
@@ -334,7 +344,6 @@ class FullCPUOffloadOptimizer(WindowControls, torch.optim.Optimizer):
             self._proto.phase = Phase.ACCUMULATING
             return
         self._complete_window()
-        self._proto.phase = Phase.APPLIED
 
     def _backward_died(self, gen: int) -> None:
         if gen == self._proto.gen:
@@ -360,7 +369,7 @@ class FullCPUOffloadOptimizer(WindowControls, torch.optim.Optimizer):
         try:
             stepped, torn = salvage_window(self._records, self._pipeline, self._transfer)
         finally:
-            self._close_window()
+            self._close_window(abandoned=True)
             self._proto.phase = Phase.IDLE
         if torn:
             raise RuntimeError(f"parameters {torn} were only partly updated when the backward pass failed; "
@@ -373,17 +382,19 @@ class FullCPUOffloadOptimizer(WindowControls, torch.optim.Optimizer):
                           RuntimeWarning, stacklevel=_user_stacklevel())
 
     def _read_hparams(self, *, speculate: bool = False) -> list:
-        hparams = read_hparams(self.param_groups, self._algorithm)
+        hparams = read_hparams(self.param_groups, self._algorithm, bf16_moments=self._bf16_moments)
         for hp in hparams:
             hp["grad_scale"] = self._validator.speculative_scale() if speculate else self._validator.scale
         return hparams
 
     def _complete_window(self) -> None:
         """The window's optimizer step is complete and validated on the host and the
-        device (the window stays open for clip_grad_norm_ until step())."""
-        self._guarded(lambda: (finish_window(self._records, self._pipeline, self._transfer,
-                                             zero_fill=self._proto.zero_fill),
-                               self._validator.after_final_pass()))
+        device (the window stays open for clip_grad_norm_ until step()): APPLIED."""
+        self._guarded(lambda: finish_window(self._records, self._pipeline, self._transfer,
+                                            zero_fill=self._proto.zero_fill))
+        with deferred_interrupts():  # NOTE: a Ctrl-C during the validation lands after it, in APPLIED
+            self._guarded(self._validator.after_final_pass)
+            self._proto.phase = Phase.APPLIED
 
     def _guarded(self, work) -> None:
         """Run ``work`` on an open window, counting its time as blocked; on a failure
@@ -397,12 +408,12 @@ class FullCPUOffloadOptimizer(WindowControls, torch.optim.Optimizer):
             raise
         self._proto.blocked_s += time.perf_counter() - t0
 
-    def _close_window(self) -> None:
+    def _close_window(self, *, abandoned: bool = False) -> None:
         reset_window(self._records, self._pipeline)
         if self.grad_copy == "device":
             for rec in self._records:
                 rec.retained = None
-        self._validator.close_window()
+        self._validator.close_window(abandoned=abandoned)
         self._proto.micro = 0
         self._proto.final = False
 
@@ -432,6 +443,13 @@ class FullCPUOffloadOptimizer(WindowControls, torch.optim.Optimizer):
             self._pipeline.begin_backward(micro=self._proto.micro, final=True, hparams=self._read_hparams())
             self._proto.final = True
             self._complete_window()
+        # NOTE: a Ctrl-C during the rollback and redo is delivered once the step is complete
+        # and the window closed, so the state is the one after this step.
+        with deferred_interrupts():
+            self._finish_step(passes, t0)
+        return loss
+
+    def _finish_step(self, passes: int, t0: float) -> None:
         self._guarded(self._validator.apply)
         self._transfer.set_compute_stream()
         self._transfer.compute_waits_for_h2d()
@@ -447,7 +465,6 @@ class FullCPUOffloadOptimizer(WindowControls, torch.optim.Optimizer):
         for key in ("d2h_bytes", "h2d_bytes", "chunks", "kernel_s", "accumulate_s"):
             stats.setdefault(key, 0)
         self._proto.last_stats = stats
-        return loss
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         """Drop gradients. In the middle of an accumulation window this discards
@@ -463,10 +480,13 @@ class FullCPUOffloadOptimizer(WindowControls, torch.optim.Optimizer):
             raise RuntimeError("zero_grad() called during a backward pass")
         if self._proto.phase is Phase.ACCUMULATING:
             self._pipeline.drain()
-            self._close_window()
+            self._close_window(abandoned=True)
+        elif self._proto.phase is Phase.IDLE:
+            self._validator.open_window()  # a factor announced for the window being dropped
         elif self._proto.phase is Phase.APPLIED:
-            self._guarded(self._validator.apply)
-            self._close_window()
+            with deferred_interrupts():  # NOTE: as in step()
+                self._guarded(self._validator.apply)
+                self._close_window()
         if self._proto.phase is Phase.APPLIED and not self._proto.warned_zero_grad:
             self._proto.warned_zero_grad = True
             warnings.warn("cpu_offload: zero_grad() without step() after a window's last backward pass: full "
@@ -499,20 +519,24 @@ class FullCPUOffloadOptimizer(WindowControls, torch.optim.Optimizer):
 
     def state_dict(self) -> dict:
         self._check_between_steps("state_dict()")
-        self._guarded(self._validator.apply)  # a pending clip belongs to the saved step
+        with deferred_interrupts():  # NOTE: as in step()
+            self._guarded(self._validator.apply)  # a pending clip belongs to the saved step
         adopt_external_weights(self._records)
         return state_dict_with_hooks(self, lambda: checkpoint.state_dict(self))
 
     def load_state_dict(self, state_dict: dict) -> None:
         self._check_between_steps("load_state_dict()")
         if self._proto.phase is Phase.APPLIED:  # the loaded state replaces the window's step
-            self._guarded(self._validator.apply)
-            self._close_window()
+            with deferred_interrupts():  # NOTE: as in step()
+                self._guarded(self._validator.apply)
+                self._close_window()
+                self._proto.phase = Phase.IDLE
 
         def apply(sd: dict) -> None:
-            checkpoint.load_state_dict(self, sd)
-            self._transfer.synchronize()
-            note_versions(self._records)
+            with deferred_interrupts():  # NOTE: every parameter is loaded, or (on an error) none
+                checkpoint.load_state_dict(self, sd)
+                self._transfer.synchronize()
+                note_versions(self._records)
         load_state_dict_with_hooks(self, state_dict, apply)
 
     def stats(self) -> dict:

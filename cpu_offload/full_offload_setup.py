@@ -85,7 +85,15 @@ def staging_slot_bytes(records, keep: set, compute_dtype, *, pinned_bytes: int, 
     return min(pinned_bytes // (2 * num_slots), align_up(grad_bytes + 64 * len(records), 4096))
 
 
-def read_hparams(param_groups, algorithm: str) -> list:
+# With bf16 moments a rolled-back step is recomputed from the rounded moments: the update
+# it undoes is within about 2**-8 of the real one (the rounding of m and v) only while
+# eps_hat = eps*sqrt(1 - beta2**t) (smallest at t = 1) dominates the error of sqrt(v) from a
+# bf16-subnormal v, at most sqrt(2**-134) = 2**-67: eps_hat >= 2**-57 keeps that error below
+# 2**-10 of the denominator (eps >= 3.1e-17 for beta2 = 0.95, 2.2e-16 for beta2 = 0.999).
+_BF16_MIN_EPS_HAT = 2.0**-57
+
+
+def read_hparams(param_groups, algorithm: str, *, bf16_moments: bool = False) -> list:
     """Per-group hyper-parameters as floats, checked here so that a bad value
     raises on the caller's thread, naming the group, before any chunk is stepped."""
     keys = ("lr", "weight_decay") + (("betas", "eps") if algorithm == "adamw" else ())
@@ -100,6 +108,12 @@ def read_hparams(param_groups, algorithm: str) -> list:
                 if not math.isfinite(v) or v < 0 or (key == "betas" and v >= 1):
                     raise ValueError(f"{name} is {v}: it must be finite and >= 0" + (" and < 1" if key == "betas" else ""))
                 values[key if key != "betas" else f"beta{i + 1}"] = v
+        if bf16_moments and values["eps"] * math.sqrt(1.0 - values["beta2"]) < _BF16_MIN_EPS_HAT:
+            least = _BF16_MIN_EPS_HAT / math.sqrt(1.0 - values["beta2"])
+            raise ValueError(
+                f"param_groups[{g}]['eps'] is {values['eps']:g}: with state_dtype=torch.bfloat16 a step that "
+                f"clipping or the non-finite guard rolls back is recomputed from the bf16 moments, which needs "
+                f"eps >= {least:.3g} for beta2={values['beta2']:g}; use a larger eps or state_dtype=torch.float32")
         snap.append(values)
     return snap
 

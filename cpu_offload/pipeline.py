@@ -40,6 +40,16 @@ class Piece:
     add: bool  # accumulation: add to the accumulator (True) or overwrite it
 
 
+@dataclass(frozen=True)
+class Pass:
+    """The backward pass whose gradients are being staged."""
+
+    micro: int = 0  # index within the accumulation window
+    final: bool = False  # the window's last: its chunks run the optimizer
+    hparams: Optional[list] = None  # per-group hyper-parameters of its optimizer steps
+    speculative: bool = False  # the factor on its gradients may still change (validated later)
+
+
 @dataclass(eq=False)
 class Chunk:
     seq: int
@@ -47,6 +57,7 @@ class Chunk:
     final: bool  # last micro-batch: run the optimizer on this chunk
     slot: Optional[Slot]
     hparams: Optional[list]  # per-group hyper-parameters, snapshot at the final backward's start
+    speculative: bool = False  # stepped before the window's factor is final
     pieces: list = field(default_factory=list)
     used: int = 0  # bytes used in the slot
     marker: Any = None  # completion of the D2H copies into the slot
@@ -97,7 +108,7 @@ class Pipeline:
         self._busy: Optional[Chunk] = None
         self._seq = 0
         self._d2h_next = 0
-        self._cur = (0, False, None)  # (micro, final, hparams) of the running backward
+        self._cur = Pass()
         self._error: Optional[tuple] = None  # the worker's failure, until taken by the caller
         self._failed = False  # skip chunks until the window that failed is closed
         # A parameter whose staging was interrupted: (rec, flat grad, add, placements, next index).
@@ -132,7 +143,12 @@ class Pipeline:
     @property
     def hparams(self) -> Optional[list]:
         """The hyper-parameters of the running (or last) backward's optimizer steps."""
-        return self._cur[2]
+        return self._cur.hparams
+
+    @property
+    def held_back(self) -> bool:
+        """Chunks of this window were not stepped: their speculative step could overflow."""
+        return self._runner.held_back
 
     @property
     def nonfinite(self) -> bool:
@@ -144,8 +160,8 @@ class Pipeline:
         if err is not None:
             raise err
 
-    def begin_backward(self, *, micro: int, final: bool, hparams: Optional[list]) -> None:
-        self._cur = (micro, final, hparams)
+    def begin_backward(self, *, micro: int, final: bool, hparams: Optional[list], speculative: bool = False) -> None:
+        self._cur = Pass(micro, final, hparams, speculative)
 
     def stage_grad(self, rec: ParamRecord, grad: torch.Tensor, *, add: bool) -> None:
         """Stage the flat gradient ``grad`` of ``rec`` into the open chunk(s)."""
@@ -153,7 +169,7 @@ class Pipeline:
         used = None if self._open is None else self._open.used
         placements, _ = place(rec.numel, dtype.itemsize, self.d2h.slot_bytes, used)
         norm = None
-        if self._cur[1]:
+        if self._cur.final:
             # NOTE: set before any piece is queued: the runner counts the step when
             # it has processed this many pieces, whichever chunk finishes last.
             rec.pieces_total, rec.pieces_done = len(placements), 0
@@ -200,7 +216,7 @@ class Pipeline:
         """Queue optimizer-step chunks for ``recs``, whose window's gradient is on the host
         (the accumulator, or the copy kept for a redo; no D2H copy); the chunks are sized
         by the H2D slot."""
-        micro, _, hparams = self._cur
+        cur = self._cur
         cap = self.h2d.slot_bytes
         chunk, used = None, None
         for rec in recs:
@@ -210,7 +226,7 @@ class Pipeline:
                 if pl.new_chunk:
                     if chunk is not None:
                         self._submit(chunk)
-                    chunk = Chunk(self._next_seq(), micro, True, None, hparams)
+                    chunk = Chunk(self._next_seq(), cur.micro, True, None, cur.hparams, cur.speculative)
                 chunk.pieces.append(Piece(rec, pl.start, pl.numel, -1, torch.float32, True))
         if chunk is not None:
             self._submit(chunk)
@@ -252,9 +268,8 @@ class Pipeline:
             return self._diagnose()
 
     def _diagnose(self) -> str:
-        micro, final, _ = self._cur
         lines = [
-            f"pipeline: micro-batch {micro} (final={final}), open chunk: "
+            f"pipeline: micro-batch {self._cur.micro} (final={self._cur.final}), open chunk: "
             + (f"{self._open.seq} ({self._open.used}/{self.d2h.slot_bytes} bytes)" if self._open else "none"),
             f"queued chunks: {[c.seq for c in self._queue]}; worker: "
             + (f"{self._busy.describe()} [{self._runner.phase}]" if self._busy else "idle")
@@ -271,7 +286,7 @@ class Pipeline:
         return self._seq
 
     def _open_chunk(self) -> None:
-        micro, final, hparams = self._cur
+        cur = self._cur
         deadline = time.monotonic() + self.timeout_s
         with self._cv:
             while True:
@@ -288,7 +303,7 @@ class Pipeline:
                 self._cv.wait(min(left, 0.5))
             slot = free[0]
             self._d2h_next = (slot.index + 1) % n
-            chunk = Chunk(self._next_seq(), micro, final, slot, hparams)
+            chunk = Chunk(self._next_seq(), cur.micro, cur.final, slot, cur.hparams, cur.speculative)
             slot.owner = chunk.seq
         self._open = chunk
 

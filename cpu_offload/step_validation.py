@@ -15,7 +15,10 @@
 #     stepped and the state is bit-identical to before the step;
 #   - a factor that differs from the one applied (max_grad_norm, clip_grad_norm_,
 #     scale_grads_): rolled back and stepped again with the new factor. A step
-#     that does not clip keeps factor 1 and is never touched.
+#     that does not clip keeps factor 1 and is never touched;
+#   - chunks the runner held back (their speculative g*g could overflow float32, which
+#     no rollback undoes): the stepped ones are rolled back and all are stepped with the
+#     final factor.
 # The window's gradients stay available for this until it closes: the host
 # accumulators (grad_accum_steps > 1) or, without accumulation,
 # ``ParamRecord.retained``: the host copy the chunk runner keeps of each gradient
@@ -36,6 +39,7 @@ import torch
 
 from cpu_offload.grad_norms import clip_coefficient, total_norm
 from cpu_offload.host_state import note_versions
+from cpu_offload.interrupts import deferred_interrupts
 from cpu_offload.rollback import rollback_adamw_, rollback_sign_sgd_
 
 __all__ = ["StepValidator"]
@@ -90,22 +94,41 @@ class StepValidator:
             self._norms[norm_type] = total_norm(list(zip(recs, local)), norm_type)
         return self.scale * self._norms[norm_type]
 
-    def clip(self, max_norm: float, norm_type: float, *, late: bool, error_if_nonfinite: bool = False) -> float:
+    def clip(self, max_norm: float, norm_type: float, *, late: bool, error_if_nonfinite: bool = False,
+             in_place: bool = False) -> float:
         """torch.nn.utils.clip_grad_norm_ on the window: returns the total norm and
         multiplies the window's factor by the clipping coefficient (``late``: after
-        the window's last backward started)."""
+        the window's last backward started). ``in_place``: in the middle of an
+        accumulation window (drained), scale the host accumulators instead, as torch
+        scales ``param.grad``: the passes that follow add unscaled gradients to them."""
         total = self.norm(norm_type)
         if error_if_nonfinite and not math.isfinite(total):
             raise RuntimeError(
                 f"the total norm of order {norm_type} of the gradients is non-finite ({total}), so they cannot be "
                 "clipped; with error_if_nonfinite=False this step would be skipped (skip_nonfinite) instead")
         self.grad_norm, self.clip_coef = total, clip_coefficient(max_norm, total)
-        if math.isfinite(total):
+        if not math.isfinite(total):
+            return total
+        if in_place:
+            if self.clip_coef != 1.0:
+                coef = torch.tensor(self.clip_coef, dtype=torch.float32)  # as torch's float32 coefficient
+                with deferred_interrupts(), torch.no_grad():
+                    for rec in self.window_records():
+                        rec.accum.mul_(coef)
+                self._norms.clear()
+        else:
             self.rescale(self.clip_coef, late=late)
         return total
 
-    def close_window(self) -> None:
-        self.predicted = self.late
+    def forget_norms(self) -> None:
+        """A backward pass adds to the window's gradients: norms computed so far are stale."""
+        self._norms.clear()
+
+    def close_window(self, *, abandoned: bool = False) -> None:
+        """The window ends; the next one speculates with its late factor, unless it was
+        abandoned (zero_grad() before its last pass, a failure): then with the last one's."""
+        if not abandoned:
+            self.predicted = self.late
         self.open_window()
 
     def rescale(self, factor: float, *, late: bool) -> None:
@@ -138,34 +161,41 @@ class StepValidator:
 
     def apply(self) -> None:
         """Make the applied update match the window's factor (a rollback and a redo
-        when it changed). NOTE: SignSGD's update sign(c*g) = sign(g) for c > 0: never redone."""
+        when it changed, or when chunks were held back from the speculative step).
+        NOTE: SignSGD's update sign(c*g) = sign(g) for c > 0: never redone."""
         stepped = self.pipeline.stepped
-        if self.skipped or self.algorithm == "sign_sgd" or not stepped:
+        if self.skipped or self.algorithm == "sign_sgd":
             return
-        if all(hp["grad_scale"] == self.scale for *_, hp in stepped):
+        held_back = self.pipeline.held_back
+        if not held_back and (not stepped or all(hp["grad_scale"] == self.scale for *_, hp in stepped)):
             return
         hparams = [dict(hp, grad_scale=self.scale) for hp in self.pipeline.hparams]
-        recs = self._rollback(stepped)
-        self.pipeline.reset_window()
-        for rec in recs:
-            rec.grad_sq = 0.0
-        self.pipeline.begin_backward(micro=0, final=True, hparams=hparams)
-        if self.from_host:
-            self.pipeline.stage_from_host(recs)
-        else:
+        # NOTE: the rollback and the redo change every stepped parameter one after another;
+        # a Ctrl-C in between would leave some rolled back and others not.
+        with deferred_interrupts():
+            self._rollback(stepped)
+            recs = self.window_records()
+            self.pipeline.reset_window()
             for rec in recs:
-                self.pipeline.stage_grad(rec, rec.retained, add=False)
-        self.pipeline.drain()
-        self.transfer.compute_waits_for_h2d()
-        self.pipeline.raise_error()
-        note_versions(recs)
+                rec.grad_sq = 0.0
+            self.pipeline.begin_backward(micro=0, final=True, hparams=hparams)
+            if self.from_host:
+                self.pipeline.stage_from_host(recs)
+            else:
+                for rec in recs:
+                    self.pipeline.stage_grad(rec, rec.retained, add=False)
+            self.pipeline.drain()
+            self.transfer.compute_waits_for_h2d()
+            self.pipeline.raise_error()
+            note_versions(recs)
 
     def _skip(self) -> None:
-        recs = self._rollback(self.pipeline.stepped)
-        with torch.no_grad():
-            for rec in recs:  # the device got the rolled-back step's weights: send the old ones
-                rec.local().detach().view(-1).copy_(rec.master)
-        note_versions(recs)
+        with deferred_interrupts():  # NOTE: all or nothing, as in apply()
+            recs = self._rollback(self.pipeline.stepped)
+            with torch.no_grad():
+                for rec in recs:  # the device got the rolled-back step's weights: send the old ones
+                    rec.local().detach().view(-1).copy_(rec.master)
+            note_versions(recs)
         self.skipped = True
         self.skipped_steps += 1
         now = time.monotonic()

@@ -63,7 +63,8 @@ class WindowControls:
         scale as they step); after it, ``step()`` rolls the update back and
         redoes it, unless the previous window was given the same factor after
         its last backward (the next window speculates with that one). Factors
-        multiply; clipping afterwards sees the scaled norm.
+        multiply; clipping afterwards sees the scaled norm. ``zero_grad()`` drops the
+        factors of a window that it abandons, as it drops torch's scaled gradients.
         """
         from cpu_offload.full_offload import Phase
 
@@ -78,12 +79,17 @@ class WindowControls:
             raise RuntimeError("scale_grads_() called during a backward pass")
         self._validator.rescale(factor, late=self._proto.phase is Phase.APPLIED)
 
+    def _drain_accumulation(self) -> None:
+        self._pipeline.drain()
+        self._pipeline.raise_error()
+
     def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0, error_if_nonfinite: bool = False,
                         foreach=None) -> torch.Tensor:
         """``torch.nn.utils.clip_grad_norm_`` over the gradients of the coming step.
 
         Call it after the window's last backward pass (or after fewer, before a
-        short window's ``step()``), where a script would clip ``param.grad``.
+        short window's ``step()``), where a script would clip ``param.grad``; in the
+        middle of a window it scales what was accumulated so far, as torch does.
         Returns the total norm over every gradient of the step (all ranks) as a
         0-d float32 tensor on the parameters' device; ``step()`` applies
         ``min(1, max_norm / (total + 1e-6))`` to all of them. ``foreach`` is
@@ -101,7 +107,11 @@ class WindowControls:
         self._enter()
         if self._proto.phase is Phase.BACKWARD:
             raise RuntimeError("clip_grad_norm_() called during a backward pass; call it after backward()")
-        total = 0.0 if self._proto.phase is Phase.IDLE else \
-            self._validator.clip(max_norm, p, late=self._proto.phase is Phase.APPLIED,
-                                 error_if_nonfinite=error_if_nonfinite)
+        phase = self._proto.phase
+        if phase is Phase.ACCUMULATING:
+            # NOTE: the worker may still be adding the last pass into the accumulators
+            self._guarded(self._drain_accumulation)
+        total = 0.0 if phase is Phase.IDLE else \
+            self._validator.clip(max_norm, p, late=phase is Phase.APPLIED, error_if_nonfinite=error_if_nonfinite,
+                                 in_place=phase is Phase.ACCUMULATING)
         return torch.tensor(total, dtype=torch.float32, device=self._records[0].local().device)
