@@ -88,7 +88,7 @@ class StepValidator:
         if self.skipped:
             return math.nan  # NOTE: a skipped window's host copies stop at its first non-finite chunk
         if norm_type not in self._norms:
-            recs = self.window_records()
+            recs = [r for r in self.records if r.pieces_total > 0]
             local = [float(torch.linalg.vector_norm(r.accum if self.accumulate else r.retained, norm_type,
                                                     dtype=torch.float64)) for r in recs]
             self._norms[norm_type] = total_norm(list(zip(recs, local)), norm_type)
@@ -174,7 +174,8 @@ class StepValidator:
         # a Ctrl-C in between would leave some rolled back and others not.
         with deferred_interrupts():
             self._rollback(stepped)
-            recs = self.window_records()
+            # every parameter staged for this step: stepped, held back or zero-filled
+            recs = [r for r in self.records if r.pieces_total > 0]
             self.pipeline.reset_window()
             for rec in recs:
                 rec.grad_sq = 0.0

@@ -288,3 +288,39 @@ def test_bf16_moments_eps_bound_is_what_the_rollback_needs():
     smallest = _BF16_MIN_EPS_HAT / (1 - 0.95) ** 0.5
     assert rollback_error(1e-25, g) > 0.05
     assert rollback_error(smallest, g) <= 2**-8
+
+
+def test_zero_filled_parameters_are_redone_with_accumulation():
+    """zero_grad(set_to_none=False): a parameter without a gradient in a later window is
+    stepped with zeros, as torch steps it; a late clip redoes it with the others."""
+
+    class WithExtra(Net):
+        def __init__(self):
+            super().__init__()
+            self.extra = nn.Parameter(torch.randn(8) * 0.1)
+
+        def forward(self, x, use_extra=False):
+            y = super().forward(x)
+            return y * self.extra if use_extra else y
+
+    torch.manual_seed(0)
+    model = WithExtra()
+    init = {n: p.detach().clone() for n, p in model.named_parameters()}
+    off = FullCPUOffloadOptimizer(torch.optim.AdamW(model.parameters(), **HP), grad_accum_steps=2, **SMALL)
+    ref_model = WithExtra()
+    ref_model.load_state_dict(init)
+    ref = torch.optim.AdamW(ref_model.parameters(), **HP)
+    for s in range(3):
+        for j in range(2):
+            x = torch.randn(16, 24, generator=torch.Generator().manual_seed(10 * s + j))
+            model(x.to(torch.bfloat16), use_extra=s == 0).float().pow(2).sum().backward()
+            ref_model(x.to(torch.bfloat16).float(), use_extra=s == 0).pow(2).sum().backward()
+        assert float(off.clip_grad_norm_(0.01)) > 0.01
+        torch.nn.utils.clip_grad_norm_(ref_model.parameters(), 0.01)
+        off.step()
+        ref.step()
+        off.zero_grad(set_to_none=False)
+        ref.zero_grad(set_to_none=False)
+    extra = next(r for r in off._records if r.param is model.extra)
+    assert extra.step == 3 == int(ref.state[ref_model.extra]["step"])
+    assert normwise(extra.master, ref_model.extra.detach()) < 1e-5
