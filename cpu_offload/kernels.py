@@ -12,11 +12,11 @@ native code has checked, on this call, that every tensor still has the data poin
 count and contiguity it was validated with: those fix the bytes a kernel touches as the
 tensor's own live memory. After ``resize_``, ``set_``, ``.data = ...`` or an in-place view
 op, the call validates from scratch: it raises an error naming the argument (e.g. a size
-mismatch) or works on the tensor's new memory. The one change a hit does not see is a dtype
+mismatch) or works on the tensor's new memory. Two changes a hit does not see: a dtype
 changed in place to another of the same byte count (``t.data = t.view(torch.int32)``): the
-kernel then reads the tensor's bytes as the dtype it was validated with; nor a shape changed in
-place to another of the same element count (``t.resize_(m, n)``): the kernels work on flat memory,
-so that call works as on the flat views. The accessors are
+kernel then reads the tensor's bytes as the dtype it was validated with; and a shape changed in
+place to another of the same element count (``t.resize_(m, n)``): the kernels work on flat
+memory, so that call works as on flat views. The accessors are
 torch.Tensor's own, called with __torch_function__ off, so a subclass or a mode cannot
 misreport a tensor's memory, and the lists are snapshotted, so their tensors live until the
 kernel returns. Outside the guarantee, as for torch's own ops: changing a tensor from another
