@@ -1,6 +1,6 @@
 """Typed Python wrappers around the native kernels (cpu_offload._C).
 
-Scope: check every tensor argument (type, device, dtype, contiguity, sizes, overlap) and
+Scope: check every tensor argument (type, device, dtype, contiguity, shapes, overlap) and
 raise a TypeError/ValueError that names the argument and index, then hand raw pointers to
 the native code, which releases the GIL while it works; check thread counts and CPU ids
 against the process's affinity mask. Non-goal: autograd, CUDA tensors.
@@ -12,9 +12,11 @@ native code has checked, on this call, that every tensor still has the data poin
 count and contiguity it was validated with: those fix the bytes a kernel touches as the
 tensor's own live memory. After ``resize_``, ``set_``, ``.data = ...`` or an in-place view
 op, the call validates from scratch: it raises an error naming the argument (e.g. a size
-mismatch) or works on the tensor's new memory. The one change a hit does not see is a dtype
+mismatch) or works on the tensor's new memory. Two changes a hit does not see: a dtype
 changed in place to another of the same byte count (``t.data = t.view(torch.int32)``): the
-kernel then reads the tensor's bytes as the dtype it was validated with. The accessors are
+kernel then reads the tensor's bytes as the dtype it was validated with; and a shape changed in
+place to another of the same element count (``t.resize_(m, n)``): the kernels work on flat
+memory, so that call works as on flat views. The accessors are
 torch.Tensor's own, called with __torch_function__ off, so a subclass or a mode cannot
 misreport a tensor's memory, and the lists are snapshotted, so their tensors live until the
 kernel returns. Outside the guarantee, as for torch's own ops: changing a tensor from another
@@ -142,7 +144,7 @@ def get_pinned_cpus() -> Optional[list]:
 # a subclass or mode cannot make the kernels see memory other than the tensor's.
 _T = torch.Tensor
 _data_ptr, _numel, _is_contiguous = _T.data_ptr, _T.numel, _T.is_contiguous
-_dtype, _is_cpu, _layout = _T.dtype.__get__, _T.is_cpu.__get__, _T.layout.__get__
+_dtype, _is_cpu, _layout, _shape = _T.dtype.__get__, _T.is_cpu.__get__, _T.layout.__get__, _T.shape.__get__
 _ACCESSORS = (_T.data_ptr, torch._C.TensorBase.nbytes, _T.is_contiguous)  # for TensorBatch.unchanged
 _TRUE_MEMORY = torch._C.DisableTorchFunction
 
@@ -161,8 +163,11 @@ def _memory_of(label, t, numel, itemsize):
     return ptr
 
 
-def _check_list(name, tensors, count, dtypes, numels=None):
-    """Validates one list; returns (its dtype, its data pointers)."""
+def _check_list(name, tensors, count, dtypes, like=None):
+    """Validates one list; returns (its dtype, its data pointers).
+
+    ``like``: (name, tensors) of the first list: tensor i must have the shape of its tensor i.
+    """
     if not isinstance(tensors, (list, tuple)):
         raise TypeError(f"{name} must be a list or tuple of tensors, got {type(tensors).__name__}")
     if count is not None and len(tensors) != count:
@@ -184,8 +189,13 @@ def _check_list(name, tensors, count, dtypes, numels=None):
         if not _is_contiguous(t):
             raise ValueError(f"{name}[{i}] is not contiguous")
         n = _numel(t)
-        if numels is not None and n != numels[i]:
-            raise ValueError(f"{name}[{i}] has {n} elements but params[{i}] has {numels[i]}")
+        if like is not None:
+            first, other = like[0], like[1][i]
+            if n != _numel(other):
+                raise ValueError(f"{name}[{i}] has {n} elements but {first}[{i}] has {_numel(other)}")
+            if _shape(t) != _shape(other):
+                raise ValueError(f"{name}[{i}] has shape {tuple(_shape(t))} but {first}[{i}] has shape "
+                                 f"{tuple(_shape(other))}; pass tensors of one shape (or flat views of all)")
         ptrs.append(_memory_of(f"{name}[{i}]", t, n, d.itemsize))
     return dtype, ptrs
 
@@ -243,7 +253,7 @@ def _prepared(kind: str, named_lists, dtypes_by_name):
     codes, all_ptrs = {params_name: dtype}, [ptrs]
     numels = [_numel(t) for t in params]
     for name, tensors in present[1:]:
-        codes[name], ptrs = _check_list(name, tensors, len(params), dtypes_by_name[name], numels)
+        codes[name], ptrs = _check_list(name, tensors, len(params), dtypes_by_name[name], (params_name, params))
         all_ptrs.append(ptrs)
     operands = [(name, ptrs, _T.element_size(tensors[0]) if tensors else 4)
                 for (name, tensors), ptrs in zip(present, all_ptrs)]
@@ -261,6 +271,7 @@ def _prepared(kind: str, named_lists, dtypes_by_name):
 
 
 def _check_scalar(name, value, *, low=None, high=None, high_open=False):
+    """A finite float in [low, high] (or [low, high)); -0.0 becomes 0.0."""
     if isinstance(value, torch.Tensor):
         if value.numel() != 1:
             raise ValueError(f"{name} must be a number or a one-element tensor")
@@ -274,7 +285,7 @@ def _check_scalar(name, value, *, low=None, high=None, high_open=False):
         raise ValueError(f"{name} must be >= {low}, got {value}")
     if high is not None and (value >= high if high_open else value > high):
         raise ValueError(f"{name} must be {'<' if high_open else '<='} {high}, got {value}")
-    return value
+    return value + 0.0  # NOTE: -0.0 + 0.0 is +0.0: a zero factor never flips the sign of a zero
 
 
 def _steps_ptr(steps, count):
@@ -310,15 +321,21 @@ def adamw_step(params, grads, exp_avgs, exp_avg_sqs, steps, *, lr, beta1, beta2,
         steps: 1-D int64 tensor, one step count per tensor; each is incremented first and
             the bias corrections use the new value (like torch's ``state["step"]``).
         lr, beta1, beta2, eps, weight_decay: as torch.optim.AdamW (decoupled decay).
-        grad_scale: multiplies each gradient before use (e.g. 1/loss_scale).
+        grad_scale: multiplies each gradient before use (e.g. 1/loss_scale, a clipping
+            coefficient); finite and >= 0. 0 is the step with zero gradients (the step count,
+            the moments' decay and the weight decay still apply), which is what torch does
+            after ``clip_grad_norm_(max_norm=0)``; a negative factor raises ValueError.
         compute_params: optional bf16 or fp32 tensors that receive the updated weights.
+
+    Tensor i of every list has the shape of ``params[i]`` (the library passes flat views).
+    Empty lists are a no-op (the lists must still agree in length), like torch's foreach ops.
     """
     lr = _check_scalar("lr", lr, low=0.0)
     beta1 = _check_scalar("beta1", beta1, low=0.0, high=1.0, high_open=True)
     beta2 = _check_scalar("beta2", beta2, low=0.0, high=1.0, high_open=True)
     eps = _check_scalar("eps", eps, low=0.0)
     weight_decay = _check_scalar("weight_decay", weight_decay, low=0.0)
-    grad_scale = _check_scalar("grad_scale", grad_scale)
+    grad_scale = _check_scalar("grad_scale", grad_scale, low=0.0)
     with _TRUE_MEMORY():
         entry, _alive = _prepared(
             "adamw", [("params", params), ("grads", grads), ("exp_avgs", exp_avgs), ("exp_avg_sqs", exp_avg_sqs),
@@ -330,6 +347,8 @@ def adamw_step(params, grads, exp_avgs, exp_avg_sqs, steps, *, lr, beta1, beta2,
     if entry.codes["exp_avg_sqs"] != moment_dtype:
         raise ValueError(f"exp_avg_sqs has dtype {entry.codes['exp_avg_sqs']} but exp_avgs has {moment_dtype}; "
                          "both moments must be float32 or both bfloat16")
+    if entry.batch.size == 0:
+        return  # NOTE: empty lists carry no dtype, so no output kind: nothing to hand to _C
     _C.adamw(entry.batch, _DTYPE_CODE.get(entry.codes["grads"], 0), _DTYPE_CODE.get(moment_dtype, 0),
              _OUT_KIND[entry.codes.get("compute_params")], steps_ptr,
              lr, beta1, beta2, eps, weight_decay, grad_scale)
@@ -343,12 +362,16 @@ def sign_sgd_step(params, grads, *, lr, weight_decay, compute_params=None) -> No
         grads: fp32 or bf16 gradients (any scale: the sign ignores it).
         lr, weight_decay: step size and decoupled weight decay.
         compute_params: optional bf16 or fp32 tensors that receive the updated weights.
+
+    Shapes and empty lists: as for ``adamw_step``.
     """
     lr = _check_scalar("lr", lr, low=0.0)
     weight_decay = _check_scalar("weight_decay", weight_decay, low=0.0)
     with _TRUE_MEMORY():
         entry, _alive = _prepared("sign_sgd", [("params", params), ("grads", grads), ("compute_params", compute_params)],
                                   {"params": _FP32, "grads": _GRADS, "compute_params": _GRADS})
+    if entry.batch.size == 0:
+        return  # empty lists: a no-op, as for adamw_step
     _C.sign_sgd(entry.batch, _DTYPE_CODE.get(entry.codes["grads"], 0),
                 _OUT_KIND[entry.codes.get("compute_params")], lr, weight_decay)
 
@@ -358,7 +381,7 @@ def accumulate_(accumulators, grads, add: bool) -> None:
 
     Args:
         accumulators: fp32 tensors, updated in place.
-        grads: fp32 or bf16 gradients of the same sizes.
+        grads: fp32 or bf16 gradients of the same shapes (empty lists: a no-op).
         add: False on the first micro-batch (copy), True afterwards.
     """
     if not isinstance(add, bool):

@@ -54,23 +54,31 @@ def release(params) -> None:
 
 
 def mark_cast(param: torch.nn.Parameter, original: torch.dtype) -> None:
-    """Remember that full offload cast this parameter from ``original``."""
-    setattr(param, _CAST_ATTR, original)
+    """Remember that full offload cast this parameter from ``original`` (to its current dtype)."""
+    setattr(param, _CAST_ATTR, (original, param.dtype))
 
 
 def check_not_cast(records) -> None:
-    """Refuse parameters that an earlier full-offload optimizer cast to a lower
-    precision: their fp32 values lived in that optimizer's masters, and masters
-    must never be initialised from the cast copy."""
+    """Refuse parameters that an earlier full-offload optimizer cast to another
+    dtype and that have not been converted back: their real values lived in that
+    optimizer's fp32 masters, and masters must never be initialised from the cast copy.
+
+    NOTE: dtypes, not item sizes, are compared: fp16 -> bf16 keeps the size but not
+    the values. The one cast that loses nothing is to fp32 (the compute copy then
+    equals the master bit for bit), so a parameter still in fp32 after it is accepted.
+    """
     for rec in records:
-        original = getattr(rec.param, _CAST_ATTR, None)
-        if original is not None and rec.param.dtype != original and rec.param.dtype.itemsize < original.itemsize:
-            raise RuntimeError(
-                f"parameter {rec.name} was cast from {original} to {rec.param.dtype} by an earlier full-offload "
-                "optimizer, whose fp32 masters held its real values; reuse that optimizer (or load its "
-                "state_dict(), which has the masters, into this one after converting the parameters back with "
-                "model.float()), instead of wrapping the cast model again"
-            )
+        original, cast_to = getattr(rec.param, _CAST_ATTR, (None, None))
+        if original is None or rec.param.dtype == original:
+            continue
+        if cast_to == torch.float32 and rec.param.dtype == torch.float32:
+            continue
+        raise RuntimeError(
+            f"parameter {rec.name} was cast from {original} to {cast_to} by an earlier full-offload optimizer, "
+            f"whose fp32 masters held its real values, and is {rec.param.dtype} now; reuse that optimizer (or "
+            f"load its state_dict(), which has the masters, into this one after converting the parameters back "
+            f"with model.to({original})), instead of wrapping the cast model again"
+        )
 
 
 def check_not_ddp(records) -> None:

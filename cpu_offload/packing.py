@@ -44,10 +44,16 @@ def place(numel: int, esize: int, cap: int, used: Optional[int]) -> tuple[list[P
 
     Rules: a tensor that fits in a fresh slot is never split (it starts a fresh
     chunk when the open one lacks room); a larger one fills the open chunk and
-    continues in fresh ones.
+    continues in fresh ones; a tensor of no elements gets one empty piece.
+
+    NOTE: every tensor gets at least one piece: a parameter's step is counted when
+    all of its pieces were stepped (and ``pieces_total > 0`` means "stepped in this
+    window"), so an empty one needs a piece to count its steps as torch does.
     """
     if numel < 0 or esize < 1 or cap < esize:
         raise ValueError(f"place: bad sizes numel={numel}, esize={esize}, cap={cap}")
+    if numel == 0:  # at the open chunk's end, which it leaves as it was
+        return [Placement(0, 0, 0 if used is None else used, used is None, False)], 0 if used is None else used
     out: list[Placement] = []
     start = 0
     while start < numel:

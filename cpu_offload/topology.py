@@ -2,7 +2,8 @@
 #
 # Scope: read the host topology from sysfs (root injectable for tests), work out for every
 # local rank a disjoint CPU set on its GPU's NUMA node and a worker-thread count, and bind
-# the process, the native worker pool and torch's intra-op pool to that set.
+# the process and the native worker pool to that set. torch's intra-op thread count stays
+# the user's, unless it exceeds the set's CPUs (then it is lowered to that, with a warning).
 # Non-goals: memory policy (host state is placed by first touch from the bound threads),
 # cross-host coordination, hot-plugged CPUs, and NUMA nodes without CPUs.
 #
@@ -359,10 +360,12 @@ def plan_for_rank(
 
 
 def bind(plan: BindingPlan) -> None:
-    """Confine this process to ``plan.cpus`` and size and pin the worker pools to match.
+    """Confine this process to ``plan.cpus`` and size and pin the native worker pool to match.
 
-    Call it before any optimizer state is allocated, so that host state is first touched
-    by threads on the right NUMA node.
+    torch's intra-op thread count (``torch.set_num_threads``) is left as it is, unless it
+    exceeds the number of CPUs in ``plan.cpus``: then it is lowered to that number and a
+    warning says so. Call it before any optimizer state is allocated, so that host state
+    is first touched by threads on the right NUMA node.
     """
     import torch
 
@@ -379,7 +382,17 @@ def bind(plan: BindingPlan) -> None:
             pass  # the thread has exited meanwhile
     kernels.set_num_threads(plan.num_threads)
     kernels.pin_threads(list(plan.worker_cpus))
-    torch.set_num_threads(plan.num_threads)
+    # NOTE: torch cannot tell whether its count was set by the user, so it is kept: a user's
+    # torch.set_num_threads(1) (e.g. to fork workers safely: GNU OpenMP is not fork-safe)
+    # must survive the wrap. Only a count above the CPUs the process may now run on, which
+    # could only oversubscribe them, is lowered.
+    torch_threads = torch.get_num_threads()
+    if torch_threads > len(cpus):
+        torch.set_num_threads(len(cpus))
+        logger.warning(
+            "torch.set_num_threads(%d): torch's %d intra-op threads exceed the %d CPUs local rank %d is bound "
+            "to (%s)", len(cpus), torch_threads, len(cpus), plan.local_rank, format_cpulist(plan.cpus),
+        )
     logger.info(
         "local rank %d bound to CPUs %s (NUMA node %s), %d worker threads",
         plan.local_rank, format_cpulist(plan.cpus), plan.numa_node, plan.num_threads,

@@ -91,6 +91,20 @@ def test_clipped_steps_match_torch(k, grad_copy, scales, clip):
     assert off.stats()["clip_coef"] is not None and off.stats()["skipped_steps"] == 0
 
 
+@pytest.mark.parametrize("k", [1, 2])
+def test_clipping_to_zero_steps_with_zero_gradients_like_torch(k):
+    # clip_grad_norm_(0) gives coefficient 0: the kernels step with grad_scale=0 (the
+    # speculative step of the next window too), which they accept (only < 0 is refused).
+    model, off, init, history, norms = train("adamw", k, 6, clip=0.0)
+    params, ref, ref_norms = torch_replay("adamw", init, history, 0.0)
+    by_id = {id(p): n for n, p in model.named_parameters()}
+    for rec in off._records:
+        n = by_id[id(rec.param)]
+        assert normwise(rec.master.view(rec.shape), params[n].detach()) < 1e-5, n
+        assert rec.step == int(ref.state[params[n]].get("step", 0)), n
+    assert off.stats()["clip_coef"] == 0.0
+
+
 @pytest.mark.parametrize("kind", ["adamw", "sign_sgd"])
 @pytest.mark.parametrize("k", [1, 2])
 def test_steps_that_do_not_clip_are_bit_identical(kind, k):

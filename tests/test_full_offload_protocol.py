@@ -5,6 +5,7 @@
 # Every outcome torch defines is checked against torch.optim.AdamW fed the same
 # gradients (masters within fp32 rounding, step counts exact).
 
+import os
 import warnings
 
 import pytest
@@ -279,6 +280,48 @@ def test_wrapping_twice_is_refused():
     del first
     model.float()  # the user accepts bf16-exact values as the new fp32 weights
     FullCPUOffloadOptimizer(torch.optim.AdamW(model.parameters()), **SMALL).close()
+
+
+def test_rewrapping_a_model_cast_from_fp16_is_refused():
+    # fp16 -> bf16 keeps the item size but not the values: the masters of a second
+    # wrapper would come from the bf16 compute copy.
+    torch.manual_seed(int.from_bytes(os.urandom(4), "little"))
+    model = nn.Sequential(nn.Linear(16, 32), nn.Linear(32, 4)).half()
+    first = FullCPUOffloadOptimizer(torch.optim.AdamW(model.parameters()), **SMALL)
+    real = [r.master.clone() for r in first._records]
+    first.close()
+    del first
+    assert model[0].weight.dtype == torch.bfloat16
+    with pytest.raises(RuntimeError, match=r"was cast from torch.float16 to torch.bfloat16 by an earlier.*"
+                                           r"model.to\(torch.float16\)"):
+        FullCPUOffloadOptimizer(torch.optim.AdamW(model.parameters()), **SMALL)
+    model.float()  # not the dtype it was cast from: still the bf16 values
+    with pytest.raises(RuntimeError, match=r"cast from torch.float16 to torch.bfloat16 .* is torch.float32 now"):
+        FullCPUOffloadOptimizer(torch.optim.AdamW(model.parameters()), **SMALL)
+    model.double()
+    with pytest.raises(RuntimeError, match=r"is torch.float64 now"):
+        FullCPUOffloadOptimizer(torch.optim.AdamW(model.parameters()), **SMALL)
+    model.half()  # back to its own dtype: the user accepts the values it holds
+    held = [p.detach().float().reshape(-1) for p in model.parameters()]
+    again = FullCPUOffloadOptimizer(torch.optim.AdamW(model.parameters()), **SMALL)
+    assert all(torch.equal(r.master, h) for r, h in zip(again._records, held))
+    assert not all(torch.equal(r.master, m) for r, m in zip(again._records, real))  # bf16 rounding lost bits
+    again.close()
+
+
+def test_rewrapping_a_parameter_cast_up_to_fp32_is_accepted():
+    # A bf16 parameter with an fp32 compute copy holds its master exactly.
+    torch.manual_seed(int.from_bytes(os.urandom(4), "little"))
+    model = nn.Linear(16, 8).to(torch.bfloat16)
+    first = FullCPUOffloadOptimizer(torch.optim.AdamW(model.parameters()), compute_dtype=torch.float32, **SMALL)
+    model(torch.randn(4, 16)).pow(2).mean().backward()
+    first.step()
+    masters = [r.master.clone() for r in first._records]
+    first.close()
+    del first
+    again = FullCPUOffloadOptimizer(torch.optim.AdamW(model.parameters()), compute_dtype=torch.float32, **SMALL)
+    assert all(torch.equal(r.master, m) for r, m in zip(again._records, masters))
+    again.close()
 
 
 def test_worker_error_surfaces_once_then_training_continues():

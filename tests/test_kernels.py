@@ -284,6 +284,103 @@ def test_sign_sgd_and_accumulate_reject_bad_input():
         kernels.accumulate_([torch.zeros(4)], [torch.zeros(4)], add=1)
 
 
+def _random_adamw_args(shapes, seed, grad_shapes=None):
+    g = gen(seed)
+    grad_shapes = grad_shapes or shapes
+    return dict(params=[torch.randn(s, generator=g) for s in shapes],
+                grads=[torch.randn(s, generator=g) for s in grad_shapes],
+                exp_avgs=[torch.randn(s, generator=g) * 0.1 for s in grad_shapes],
+                exp_avg_sqs=[torch.rand(s, generator=g) * 0.01 for s in grad_shapes],
+                steps=torch.randint(0, 5, (len(shapes),), generator=g))
+
+
+def _snapshot(args):
+    return [t.clone() for v in args.values() for t in (v if isinstance(v, list) else [v])]
+
+
+def _unchanged(args, before):
+    return all(torch.equal(a, b) for a, b in zip(_snapshot(args), before))
+
+
+@pytest.mark.parametrize("grad_scale", [-1.0, -1e-30, -float("inf")])
+def test_adamw_refuses_a_negative_grad_scale(grad_scale):
+    args = _random_adamw_args([(16,), (3, 5)], seed=int.from_bytes(os.urandom(4), "little"))
+    before = _snapshot(args)
+    with pytest.raises(ValueError, match=r"grad_scale must be (>= 0|finite)"):
+        kernels.adamw_step(**args, lr=1e-3, beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=0.01,
+                           grad_scale=grad_scale)
+    assert _unchanged(args, before)
+
+
+def test_adamw_grad_scale_zero_is_the_step_with_zero_gradients():
+    # NOTE: the library steps with 0 after clip_grad_norm_(max_norm=0), as torch does.
+    hyper = dict(lr=1e-3, beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=0.01)
+    args = _random_adamw_args([(16,), (3, 5), (0,)], seed=int.from_bytes(os.urandom(4), "little"))
+    for t in args["exp_avgs"]:
+        t[::3] = 0.0  # a zero moment stays +0.0 under a zero factor
+    zeros, negzero = _clone(args), _clone(args)
+    zeros["grads"] = [torch.zeros_like(t) for t in args["grads"]]
+    kernels.adamw_step(**args, **hyper, grad_scale=0.0)
+    kernels.adamw_step(**negzero, **hyper, grad_scale=-0.0)
+    kernels.adamw_step(**zeros, **hyper)
+    for key in ("params", "exp_avgs", "exp_avg_sqs"):
+        _assert_same_bits(args[key], zeros[key])
+        _assert_same_bits(negzero[key], zeros[key])
+    assert torch.equal(args["steps"], zeros["steps"])
+
+
+def test_shapes_must_match_params_not_only_element_counts():
+    seed = int.from_bytes(os.urandom(4), "little")
+    args = _random_adamw_args([(17, 59)], seed, grad_shapes=[(1003,)])
+    before = _snapshot(args)
+    with pytest.raises(ValueError, match=r"grads\[0\] has shape \(1003,\) but params\[0\] has shape \(17, 59\)"):
+        kernels.adamw_step(**args, lr=1e-3, beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=0.01)
+    assert _unchanged(args, before)
+    args = _random_adamw_args([(17, 59), (4,)], seed)
+    before = _snapshot(args)
+    for name in ("exp_avgs", "exp_avg_sqs"):
+        bad = dict(args, **{name: [args[name][0].reshape(-1), args[name][1]]})
+        with pytest.raises(ValueError, match=rf"{name}\[0\] has shape \(1003,\) but params\[0\] has shape \(17, 59\)"):
+            kernels.adamw_step(**bad, lr=1e-3, beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=0.01)
+    out = [torch.empty(59, 17, dtype=torch.bfloat16), torch.empty(4, dtype=torch.bfloat16)]
+    with pytest.raises(ValueError, match=r"compute_params\[0\] has shape \(59, 17\) but params\[0\] has shape \(17, 59\)"):
+        kernels.adamw_step(**args, lr=1e-3, beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=0.01, compute_params=out)
+    assert _unchanged(args, before)
+    p, grad = torch.randn(17, 59, generator=gen(seed)), torch.randn(1003, generator=gen(seed + 1))
+    p0, grad0 = p.clone(), grad.clone()
+    with pytest.raises(ValueError, match=r"grads\[0\] has shape \(1003,\) but params\[0\] has shape \(17, 59\)"):
+        kernels.sign_sgd_step([p], [grad], lr=1e-3, weight_decay=0.0)
+    with pytest.raises(ValueError, match=r"grads\[0\] has shape \(1003,\) but accumulators\[0\] has shape \(17, 59\)"):
+        kernels.accumulate_([p], [grad], True)
+    assert torch.equal(p, p0) and torch.equal(grad, grad0)
+    # Matching shapes (the library passes flat views of both) work as before.
+    args = _random_adamw_args([(17, 59)], seed)
+    want = _clone(args)
+    kernels.adamw_step(**{k: ([t.reshape(-1) for t in v] if isinstance(v, list) else v) for k, v in args.items()},
+                       lr=1e-3, beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=0.01)
+    kernels.adamw_step(**want, lr=1e-3, beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=0.01)
+    _assert_same_bits(args["params"], want["params"])
+
+
+def test_empty_lists_are_a_no_op():
+    # Like torch's foreach ops; the lists must still agree in length (and steps in entries).
+    hyper = dict(lr=1e-3, beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=0.01)
+    steps = torch.zeros(0, dtype=torch.int64)
+    for out in (None, []):
+        kernels.adamw_step([], [], [], [], steps, **hyper, compute_params=out)
+        kernels.sign_sgd_step([], [], lr=1e-3, weight_decay=0.0, compute_params=out)
+    kernels.accumulate_([], [], True)
+    kernels.adamw_step((), (), (), (), steps, **hyper, compute_params=())
+    with pytest.raises(ValueError, match=r"compute_params has 1 tensors, expected 0"):
+        kernels.adamw_step([], [], [], [], steps, **hyper, compute_params=[torch.zeros(3)])
+    with pytest.raises(ValueError, match=r"grads has 1 tensors, expected 0"):
+        kernels.sign_sgd_step([], [torch.zeros(3)], lr=1e-3, weight_decay=0.0, compute_params=[])
+    with pytest.raises(ValueError, match=r"steps has 1 entries, expected 0"):
+        kernels.adamw_step([], [], [], [], torch.zeros(1, dtype=torch.int64), **hyper, compute_params=[])
+    with pytest.raises(ValueError, match=r"grad_scale must be >= 0"):
+        kernels.adamw_step([], [], [], [], steps, **hyper, grad_scale=-1.0)
+
+
 def test_threads_and_pinning_settings():
     allowed = sorted(os.sched_getaffinity(0))
     outside = next(c for c in range(1024) if c not in allowed)

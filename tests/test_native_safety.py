@@ -151,6 +151,15 @@ CACHE_CASES = {
         expect_refused(ValueError, ["grads[1] has 4096 elements but params[1] has 2048"])
         assert bytes(storage) == old_bytes, "the storage behind the shrunk tensor was written"
     """,
+    "resize_params_same_count_other_shape": """
+        want = expected_after_step()
+        params[1].resize_(32, 128)            # same pointer and bytes: a cache hit, as documented
+        step()                                # works as on flat views of the same memory
+        got = state()
+        assert all(torch.equal(x.reshape(-1), y.reshape(-1)) for x, y in zip(got, want)), "wrong update"
+        k.clear_cache()
+        expect_refused(ValueError, ["grads[1] has shape (64, 64) but params[1] has shape (32, 128)"])
+    """,
     "set_params_to_other_storage": """
         old = params[1].detach()              # keeps the old storage alive, to check it
         old_copy = old.clone()

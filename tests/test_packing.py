@@ -1,10 +1,11 @@
 # Chunk packing (a pure function): pieces cover the tensor exactly once, in
-# order, inside the slot, aligned, and a tensor that fits a slot is never split.
+# order, inside the slot, aligned, and a tensor that fits a slot is never split;
+# a tensor of no elements gets exactly one empty piece.
 import random
 
 import pytest
 
-from cpu_offload.packing import ALIGN_BYTES, align_up, place
+from cpu_offload.packing import ALIGN_BYTES, Placement, align_up, place
 
 
 def replay(sizes, esize, cap):
@@ -29,10 +30,11 @@ def test_random_layouts_cover_each_tensor_once_within_slots(seed):
     layout = replay(sizes, esize, cap)
     ends = {}
     for t, chunk, pl in layout:
-        assert pl.start == ends.get(t, 0) and pl.numel > 0  # in order, no gap, no overlap
+        assert pl.start == ends.get(t, 0) and (pl.numel > 0) == (sizes[t] > 0)  # in order, no gap, no overlap
         ends[t] = pl.start + pl.numel
         assert pl.offset % ALIGN_BYTES == 0 and pl.offset + pl.numel * esize <= cap
     assert all(ends.get(t, 0) == n for t, n in enumerate(sizes))
+    assert all(sum(tt == t for tt, _, _ in layout) == 1 for t, n in enumerate(sizes) if n == 0)
     by_chunk = {}
     for t, chunk, pl in layout:  # pieces of one chunk do not overlap
         spans = by_chunk.setdefault(chunk, [])
@@ -53,7 +55,8 @@ def test_keep_whole_opens_a_fresh_chunk_and_large_tensors_continue():
     assert [(p.new_chunk, p.start, p.numel, p.offset, p.close_after) for p in placements] == [
         (False, 0, 64, 128, True), (True, 64, 128, 0, True), (True, 192, 108, 0, True)]
     assert used is None  # 216 bytes round up to the whole slot, which is then closed
-    assert place(0, 2, 256, None) == ([], None)
+    assert place(0, 2, 256, None) == ([Placement(0, 0, 0, True, False)], 0)  # one empty piece
+    assert place(0, 2, 256, 128) == ([Placement(0, 0, 128, False, False)], 128)
 
 
 def test_bad_sizes_raise():

@@ -323,13 +323,13 @@ def test_cli_without_gpu_explains_and_budgets(monkeypatch, capsys):
     assert "empty CPU set" in capsys.readouterr().err
 
 
-def run_python(code):
+def run_python(code, stderr=False):
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(REPO_ROOT), os.environ.get(
         "PYTHONPATH", "")]))
     proc = subprocess.run([sys.executable, "-c", textwrap.dedent(code)], env=env,
-                          capture_output=True, text=True, timeout=300)
+                          capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stderr
-    return proc.stdout
+    return (proc.stdout, proc.stderr) if stderr else proc.stdout
 
 
 def test_cli_runs_on_this_host():
@@ -398,3 +398,58 @@ def test_bind_pins_the_native_pool():
     assert data["pool"] == 1
     assert list(data["pinned"]) == [cpu]
     assert data["torch"] == 1
+
+
+def test_wrapping_keeps_the_users_torch_thread_count():
+    # Binding sizes and pins the library's own workers; torch's intra-op count is the user's.
+    # NOTE: with 2 threads GNU OpenMP would hang the forked child's first parallel op.
+    out = run_python("""
+        import json, os, signal, torch, torch.nn as nn
+        import cpu_offload
+        from cpu_offload import kernels
+        torch.set_num_threads(1)
+        torch.manual_seed(int.from_bytes(os.urandom(4), "little"))
+        model = nn.Linear(256, 256)
+        opt = cpu_offload.offload_optimizer(torch.optim.AdamW(model.parameters()), offload="full")
+        after = torch.get_num_threads()
+        model(torch.randn(512, 256).to(torch.bfloat16)).float().pow(2).mean().backward()
+        opt.step()
+        (torch.randn(1024, 1024) @ torch.randn(1024, 1024)).sum()
+        pid = os.fork()
+        if pid == 0:
+            signal.alarm(60)  # a hung child dies of SIGALRM (default action) instead of lingering
+            a = torch.randn(2048, 2048)
+            (a @ a).sum(); torch.randn(1 << 22).exp().sum()
+            os._exit(0)
+        _, status = os.waitpid(pid, 0)
+        print(json.dumps({"torch": after, "pool": kernels.get_num_threads(), "plan": opt.binding.num_threads,
+                          "child": os.waitstatus_to_exitcode(status)}))
+    """)
+    data = json.loads(out)
+    assert data["torch"] == 1
+    assert data["pool"] == data["plan"] >= 1
+    assert data["child"] == 0
+
+
+def test_bind_lowers_only_a_torch_thread_count_above_its_cpus_and_says_so():
+    out, err = run_python("""
+        import json, logging, os, sys, torch
+        from cpu_offload.topology import BindingPlan, bind
+        logging.basicConfig(stream=sys.stderr, level=logging.INFO)
+        allowed = sorted(os.sched_getaffinity(0))
+        plan = BindingPlan(0, None, None, None, tuple(allowed), len(allowed))
+        torch.set_num_threads(1)
+        bind(plan)
+        kept = torch.get_num_threads()
+        print("---", file=sys.stderr, flush=True)
+        torch.set_num_threads(len(allowed) + 2)
+        bind(plan)
+        print(json.dumps({"allowed": allowed, "kept": kept, "lowered": torch.get_num_threads()}))
+    """, stderr=True)
+    data = json.loads(out)
+    n = len(data["allowed"])
+    assert data["kept"] == 1
+    assert data["lowered"] == n
+    before, after = err.split("---")
+    assert "intra-op" not in before, before
+    assert f"torch.set_num_threads({n})" in after and f"{n + 2} intra-op threads" in after, after
