@@ -88,7 +88,7 @@ class StepValidator:
         if self.skipped:
             return math.nan  # NOTE: a skipped window's host copies stop at its first non-finite chunk
         if norm_type not in self._norms:
-            recs = [r for r in self.records if r.pieces_total > 0]
+            recs = self.window_records()
             local = [float(torch.linalg.vector_norm(r.accum if self.accumulate else r.retained, norm_type,
                                                     dtype=torch.float64)) for r in recs]
             self._norms[norm_type] = total_norm(list(zip(recs, local)), norm_type)
