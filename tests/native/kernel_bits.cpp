@@ -8,7 +8,7 @@
 // round to Inf, and every bf16 bit pattern as a bf16 input. Each ISA runs every case
 // several ways: the whole range in one call, the range cut into pieces at odd offsets,
 // and through the worker pool (TensorBatch::parallel_ranges, as bindings.cpp calls it)
-// on 2, 3 and 5 threads; buffers start at varying misalignments.
+// on 2 and 5 threads (3 at the largest size); buffers start at varying misalignments.
 // ISAs the CPU lacks are skipped with the reason (an SVE build runs only at its own vector
 // length); --require=a,b fails the run if one of those is not run. Exit status 0 only
 // when every compared value is bit-identical (an fp32 NaN may carry another NaN's payload,
@@ -16,6 +16,7 @@
 // on x86-64; cross-compiled and under qemu-aarch64 at several SVE vector lengths).
 // NOTE: to add a kernel to the table, add one Check to checks() below.
 #include <algorithm>
+#include <chrono>
 #include <cinttypes>
 #include <cmath>
 #include <cstdio>
@@ -259,6 +260,7 @@ struct Tally {
   std::string skip;  // reason, when not run
   int64_t runs = 0, values = 0, mismatches = 0;
   int64_t nan_payloads = 0;  // fp32 NaN against fp32 NaN of another sign or payload
+  double seconds = 0;
 };
 
 // NOTE: which NaN an operation with two NaN operands passes on (and so the sign and payload
@@ -305,6 +307,7 @@ int main(int argc, char** argv) {
   std::set<std::string> required;
   int expect_sve_bytes = -1;
   std::string expect_pick;  // the ISA dispatch must choose by itself on this CPU
+  std::set<std::string> only;  // run just these ISAs (all when empty)
   bool quick = false;
   for (int a = 1; a < argc; ++a) {
     std::string arg = argv[a];
@@ -313,12 +316,15 @@ int main(int argc, char** argv) {
       for (std::string x; std::getline(ss, x, ',');) if (!x.empty()) required.insert(x);
     } else if (arg.rfind("--expect-sve-bits=", 0) == 0) {
       expect_sve_bytes = std::atoi(arg.c_str() + 18) / 8;
+    } else if (arg.rfind("--only=", 0) == 0) {
+      std::stringstream ss(arg.substr(7));
+      for (std::string x; std::getline(ss, x, ',');) if (!x.empty()) only.insert(x);
     } else if (arg.rfind("--expect-pick=", 0) == 0) {
       expect_pick = arg.substr(14);
     } else if (arg == "--quick") {  // sizes up to 257 only (a dispatch smoke test)
       quick = true;
     } else {
-      std::fprintf(stderr, "usage: %s [--require=isa,...] [--expect-sve-bits=N] [--expect-pick=isa] [--quick]\n", argv[0]);
+      std::fprintf(stderr, "usage: %s [--require=isa,...] [--expect-sve-bits=N] [--expect-pick=isa] [--only=isa,...] [--quick]\n", argv[0]);
       return 2;
     }
   }
@@ -370,6 +376,10 @@ int main(int argc, char** argv) {
       }
 #endif
     }
+    if (t.table && !only.empty() && !only.count(isa)) {
+      t.table = nullptr;
+      t.skip = "not selected (--only)";
+    }
     tallies.push_back(t);
   }
   for (const std::string& r : required) {
@@ -383,10 +393,10 @@ int main(int argc, char** argv) {
 
   std::vector<int64_t> sizes = {0, 1, 7, 16, 23, 257, 65537, 1000003};
   if (quick) sizes = {0, 1, 7, 16, 23, 257};
-  const std::vector<Split> small_splits = {{"whole", 0}, {"pieces", 0}, {"pool2", 2}, {"pool3", 3}, {"pool5", 5}};
-  // NOTE: at 1,000,003 elements (slow under emulation) the pool runs once, at 3 threads
-  // and the default minimum block, as the module splits a large tensor.
-  const std::vector<Split> large_splits = {{"whole", 0}, {"pool3", 3}};
+  const std::vector<Split> small_splits = {{"whole", 0}, {"pieces", 0}, {"pool2", 2}, {"pool5", 5}};
+  // NOTE: at 1,000,003 elements (slow under emulation) each case runs once, through the
+  // pool at 3 threads and the module's default minimum block, as a large tensor is split.
+  const std::vector<Split> large_splits = {{"pool3", 3}};
   int printed = 0;
   uint64_t seed = 1;
   for (const Check& check : checks()) {
@@ -406,7 +416,9 @@ int main(int argc, char** argv) {
           for (const Split& sp : large ? large_splits : small_splits) {
             std::vector<Buffer> got;
             for (const Buffer& b : c.buffers) got.push_back(b.clone());
+            const auto t0 = std::chrono::steady_clock::now();
             run_split(sp, *t.table, c, got, ++seed);
+            t.seconds += std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
             ++t.runs;
             for (size_t j = 0; j < got.size(); ++j) {
               t.values += got[j].n;
@@ -437,8 +449,9 @@ int main(int argc, char** argv) {
       continue;
     }
     std::printf("%s %-12s %6" PRId64 " runs, %11" PRId64 " values compared, %" PRId64
-                " differ (and %" PRId64 " fp32 NaNs with another payload)\n",
-                t.mismatches ? "FAIL" : "PASS", t.isa.c_str(), t.runs, t.values, t.mismatches, t.nan_payloads);
+                " differ (and %" PRId64 " fp32 NaNs with another payload), kernels %.1f s\n",
+                t.mismatches ? "FAIL" : "PASS", t.isa.c_str(), t.runs, t.values, t.mismatches, t.nan_payloads,
+                t.seconds);
     failures += t.mismatches ? 1 : 0;
   }
   std::printf("%s\n", failures ? "kernel bits: FAILED" : "kernel bits: all equal to the scalar path");
