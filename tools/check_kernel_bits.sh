@@ -7,7 +7,8 @@
 # scalar path bit for bit; plus short runs on emulated CPUs without SVE or BF16 (cortex-a57)
 # and with 512-bit SVE but no BF16 (a64fx) that check what dispatch picks there.
 # Before running, the kernel objects are disassembled: no fused multiply-add and no
-# reciprocal (square-root) estimate may appear in any ISA build.
+# reciprocal (square-root) estimate may appear in any ISA build, and each object may export
+# only its kernel_table getter.
 # The ISA builds and their flags are read from setup.py, so this builds what pip builds.
 # Usage: tools/check_kernel_bits.sh [x86|aarch64|all]   (default: all). Needs g++; for
 # aarch64 also g++-aarch64-linux-gnu and qemu-user (Debian package names). Exit status 0
@@ -84,6 +85,23 @@ no_fused() {
     echo "disassembly: no fused multiply-add, no reciprocal estimate in $# kernel objects"
 }
 
+# only_getter NM OBJECTS...: each ISA object must define one global symbol, its table getter,
+# and no weak ones: a weak (COMDAT) inline function compiled for a wider ISA could be the
+# copy the linker keeps for every caller, and fault on a CPU without that ISA.
+only_getter() {
+    local nm=$1 o bad=0
+    shift
+    for o in "$@"; do
+        if [ "$("$nm" -g --defined-only "$o" | grep -cv ' T .*kernel_table_')" != 0 ]; then
+            echo "FAIL: $o defines more than its kernel_table getter:"
+            "$nm" -C -g --defined-only "$o" | head -10
+            bad=1
+        fi
+    done
+    [ $bad = 0 ] && echo "symbols: each of $# kernel objects defines only its kernel_table getter"
+    return $bad
+}
+
 status=0
 if [ "$which_arch" = x86 ] || [ "$which_arch" = all ]; then
     if [ "$(uname -m)" = x86_64 ]; then
@@ -92,8 +110,11 @@ if [ "$which_arch" = x86 ] || [ "$which_arch" = all ]; then
         build x86 "${CXX:-g++}"
         no_fused objdump '\s(v?f(n)?m(add|sub)[0-9a-z]*|vfmaddsub[0-9a-z]*|vfmsubadd[0-9a-z]*|v?rcp[0-9a-z]*|v?rsqrt[0-9a-z]*)\s' \
             "$out"/x86/isa_*.o || status=1
+        only_getter nm "$out"/x86/isa_*.o || status=1
         echo "built in $((SECONDS - t0)) s"
+        t0=$SECONDS
         "$out/x86/kernel_bits" --require=scalar || status=1
+        echo "ran in $((SECONDS - t0)) s"
     else
         echo "== x86-64: skipped (this machine is $(uname -m))"
     fi
@@ -104,6 +125,7 @@ if [ "$which_arch" = aarch64 ] || [ "$which_arch" = all ]; then
     build aarch64 aarch64-linux-gnu-g++
     no_fused aarch64-linux-gnu-objdump '\s(f(n)?m(la|ls|ad|sb|add|sub)|bfml[a-z]*|frecp[esx]|frsqrt[es])\s' \
         "$out"/aarch64/isa_*.o || status=1
+    only_getter aarch64-linux-gnu-nm "$out"/aarch64/isa_*.o || status=1
     echo "built in $((SECONDS - t0)) s"
     bin=$out/aarch64/kernel_bits
     qemu=${QEMU_AARCH64:-qemu-aarch64}
