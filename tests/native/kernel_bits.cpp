@@ -8,7 +8,9 @@
 // round to Inf, and every bf16 bit pattern as a bf16 input. Each ISA runs every case
 // several ways: the whole range in one call, the range cut into pieces at odd offsets,
 // and through the worker pool (TensorBatch::parallel_ranges, as bindings.cpp calls it)
-// on 2 and 5 threads (3 at the largest size); buffers start at varying misalignments.
+// on 1, 2 and 5 threads (3 at the largest size), also from a caller that has set
+// flush-to-zero (the pool must run the kernels without it); buffers start at varying
+// misalignments.
 // ISAs the CPU lacks are skipped with the reason (an SVE build runs only at its own vector
 // length); --require=a,b fails the run if one of those is not run. Exit status 0 only
 // when every compared value is bit-identical (an fp32 NaN may carry another NaN's payload,
@@ -232,7 +234,28 @@ std::vector<Check> checks() {
 // ---- ways of covering [0, n) with calls ----
 struct Split {
   std::string name;
-  int threads;  // 0: direct calls on this thread
+  int threads;        // 0: direct calls on this thread
+  bool ftz = false;   // the calling thread flushes denormals (the pool must undo it)
+};
+
+// Sets (or restores) flush-to-zero on this thread: FPCR.FZ on aarch64, MXCSR FTZ|DAZ on x86.
+struct FlushToZero {
+#if defined(__aarch64__)
+  uint64_t saved;
+  FlushToZero() {
+    __asm__ volatile("mrs %0, fpcr" : "=r"(saved));
+    __asm__ volatile("msr fpcr, %0" : : "r"(saved | (1ull << 24)));
+  }
+  ~FlushToZero() { __asm__ volatile("msr fpcr, %0" : : "r"(saved)); }
+#elif defined(__x86_64__)
+  unsigned saved;
+  FlushToZero() {
+    __asm__ volatile("stmxcsr %0" : "=m"(saved));
+    unsigned v = saved | 0x8040u;
+    __asm__ volatile("ldmxcsr %0" : : "m"(v));
+  }
+  ~FlushToZero() { __asm__ volatile("ldmxcsr %0" : : "m"(saved)); }
+#endif
 };
 
 void run_split(const Split& sp, const KernelTable& k, const Case& c, const std::vector<Buffer>& b, uint64_t seed) {
@@ -247,6 +270,9 @@ void run_split(const Split& sp, const KernelTable& k, const Case& c, const std::
     return;
   }
   // The pool, as bindings.cpp uses it: one tensor, blocks of the range over the workers.
+  // NOTE: with ftz, the caller flushes denormals; the pool runs every task (also the one it
+  // may run on the caller's thread) in the default FP environment, so the bits must not change.
+  std::unique_ptr<FlushToZero> ftz(sp.ftz ? new FlushToZero : nullptr);
   pool_set_num_threads(sp.threads);
   std::vector<Operand> ops;
   for (const Buffer& x : b) ops.push_back({x.role, {reinterpret_cast<uintptr_t>(x.data())}, x.elem});
@@ -393,7 +419,8 @@ int main(int argc, char** argv) {
 
   std::vector<int64_t> sizes = {0, 1, 7, 16, 23, 257, 65537, 1000003};
   if (quick) sizes = {0, 1, 7, 16, 23, 257};
-  const std::vector<Split> small_splits = {{"whole", 0}, {"pieces", 0}, {"pool2", 2}, {"pool5", 5}};
+  const std::vector<Split> small_splits = {{"whole", 0}, {"pieces", 0}, {"pool2", 2}, {"pool5", 5},
+                                           {"pool1_ftz", 1, true}, {"pool2_ftz", 2, true}};
   // NOTE: at 1,000,003 elements (slow under emulation) each case runs once, through the
   // pool at 3 threads and the module's default minimum block, as a large tensor is split.
   const std::vector<Split> large_splits = {{"pool3", 3}};
