@@ -1,11 +1,16 @@
-// CPU feature detection with cpuid/xgetbv (the OS must also save the wider registers),
-// and the table of kernel builds by ISA. Non-x86 builds know only the scalar path.
+// CPU feature detection with cpuid/xgetbv (the OS must also save the wider registers) on
+// x86-64, with the kernel's hardware capabilities (getauxval) on aarch64, and the table of
+// kernel builds by ISA. Other architectures know only the scalar path.
 #include "dispatch.h"
 #include <atomic>
 #include <stdexcept>
 #if defined(__x86_64__) || defined(_M_X64)
 #include <cpuid.h>
 #define CPU_OFFLOAD_X86 1
+#elif defined(__aarch64__)
+#include <sys/auxv.h>
+#include <sys/prctl.h>
+#define CPU_OFFLOAD_AARCH64 1
 #endif
 
 namespace cpu_offload {
@@ -52,6 +57,38 @@ const CpuFeatures& features() {
 }
 #endif
 
+#if CPU_OFFLOAD_AARCH64
+// Linux hwcap bits (asm/hwcap.h), spelled out so that old headers still build.
+constexpr unsigned long kHwcapAsimd = 1ul << 1, kHwcapSve = 1ul << 22;
+constexpr unsigned long kHwcap2SveBf16 = 1ul << 12, kHwcap2Bf16 = 1ul << 14;
+constexpr int kPrSveGetVl = 51, kPrSveVlLenMask = 0xffff;  // PR_SVE_GET_VL, PR_SVE_VL_LEN_MASK
+
+struct CpuFeatures {
+  bool neon = false, neon_bf16 = false, sve_bf16 = false;
+  int sve_bits = 0;  // this thread's SVE vector length; 0 without SVE
+};
+
+CpuFeatures detect() {
+  CpuFeatures f;
+  const unsigned long hwcap = getauxval(AT_HWCAP), hwcap2 = getauxval(AT_HWCAP2);
+  f.neon = hwcap & kHwcapAsimd;
+  f.neon_bf16 = f.neon && (hwcap2 & kHwcap2Bf16);
+  if (hwcap & kHwcapSve) {
+    // NOTE: the length the kernel gives this thread (and the pool threads it starts), which
+    // may be shorter than the hardware's; each SVE build runs at exactly one length.
+    const int vl = prctl(kPrSveGetVl, 0, 0, 0, 0);
+    if (vl > 0) f.sve_bits = (vl & kPrSveVlLenMask) * 8;
+    f.sve_bf16 = f.sve_bits > 0 && (hwcap2 & kHwcap2SveBf16);
+  }
+  return f;
+}
+
+const CpuFeatures& features() {
+  static const CpuFeatures f = detect();
+  return f;
+}
+#endif
+
 bool always() { return true; }
 
 const std::vector<IsaEntry>& isa_entries() {
@@ -61,6 +98,18 @@ const std::vector<IsaEntry>& isa_entries() {
       {"avx2", &kernel_table_avx2, [] { return features().avx2; }},
       {"avx512", &kernel_table_avx512, [] { return features().avx512; }},
       {"avx512_bf16", &kernel_table_avx512_bf16, [] { return features().avx512_bf16; }},
+#elif CPU_OFFLOAD_AARCH64
+      // NOTE: least preferred first (best_table() takes the last supported entry). sve128
+      // comes before neon: at equal width dispatch prefers NEON (see vec/sve.h); a wider
+      // SVE build, when the vector length matches one, beats both.
+      {"sve128", &kernel_table_sve128, [] { return features().sve_bits == 128; }},
+      {"sve128_bf16", &kernel_table_sve128_bf16, [] { return features().sve_bits == 128 && features().sve_bf16; }},
+      {"neon", &kernel_table_neon, [] { return features().neon; }},
+      {"neon_bf16", &kernel_table_neon_bf16, [] { return features().neon_bf16; }},
+      {"sve256", &kernel_table_sve256, [] { return features().sve_bits == 256; }},
+      {"sve256_bf16", &kernel_table_sve256_bf16, [] { return features().sve_bits == 256 && features().sve_bf16; }},
+      {"sve512", &kernel_table_sve512, [] { return features().sve_bits == 512; }},
+      {"sve512_bf16", &kernel_table_sve512_bf16, [] { return features().sve_bits == 512 && features().sve_bf16; }},
 #endif
   };
   return entries;
@@ -80,7 +129,13 @@ std::atomic<const KernelTable*>& active_slot() {
 
 }  // namespace
 
-std::vector<std::string> known_isas() { return {"scalar", "avx2", "avx512", "avx512_bf16"}; }
+std::vector<std::string> known_isas() {
+#if CPU_OFFLOAD_AARCH64
+  return {"scalar", "sve128", "sve128_bf16", "neon", "neon_bf16", "sve256", "sve256_bf16", "sve512", "sve512_bf16"};
+#else
+  return {"scalar", "avx2", "avx512", "avx512_bf16"};
+#endif
+}
 
 std::vector<std::string> available_isas() {
   std::vector<std::string> names;

@@ -7,7 +7,9 @@
 
 namespace cpu_offload {
 
-// ISA names from narrowest to widest: "scalar", "avx2", "avx512", "avx512_bf16".
+// ISA names from least to most preferred: x86-64 "scalar", "avx2", "avx512", "avx512_bf16";
+// aarch64 "scalar", "sve128", "sve128_bf16", "neon", "neon_bf16", "sve256", "sve256_bf16",
+// "sve512", "sve512_bf16" (an SVE build runs only at its own vector length, vec/sve.h).
 std::vector<std::string> known_isas();
 std::vector<std::string> available_isas();   // compiled in and supported by this CPU
 const KernelTable& active_kernels();

@@ -49,5 +49,16 @@ const KernelTable* kernel_table_scalar();
 const KernelTable* kernel_table_avx2();
 const KernelTable* kernel_table_avx512();
 const KernelTable* kernel_table_avx512_bf16();
+#if defined(__aarch64__)
+// aarch64 builds (setup.py AARCH64_TARGETS): NEON, and fixed-length SVE per vector length.
+const KernelTable* kernel_table_neon();
+const KernelTable* kernel_table_neon_bf16();
+const KernelTable* kernel_table_sve128();
+const KernelTable* kernel_table_sve128_bf16();
+const KernelTable* kernel_table_sve256();
+const KernelTable* kernel_table_sve256_bf16();
+const KernelTable* kernel_table_sve512();
+const KernelTable* kernel_table_sve512_bf16();
+#endif
 
 }  // namespace cpu_offload

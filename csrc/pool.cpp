@@ -30,6 +30,17 @@ struct DefaultFloatEnv {
   unsigned saved = _mm_getcsr();
   DefaultFloatEnv() { _mm_setcsr(0x1F80); }
   ~DefaultFloatEnv() { _mm_setcsr(saved); }
+#elif defined(__aarch64__)
+  // FPCR = 0: round to nearest even, FZ = 0 (no flush-to-zero), DN = 0, AH = 0, no traps.
+  uint64_t saved = get();
+  DefaultFloatEnv() { set(0); }
+  ~DefaultFloatEnv() { set(saved); }
+  static uint64_t get() {
+    uint64_t v;
+    __asm__ volatile("mrs %0, fpcr" : "=r"(v));
+    return v;
+  }
+  static void set(uint64_t v) { __asm__ volatile("msr fpcr, %0" : : "r"(v)); }
 #endif
 };
 
