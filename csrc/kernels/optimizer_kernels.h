@@ -157,7 +157,8 @@ inline void adamw_inverse_at(const AdamWScalars& s, float* param, const void* gr
   F v = load_f32<V, M>(exp_avg_sq, i);
   F denom = V::add(V::sqrt(v), V::set1(s.eps_hat));                          // sqrt(v1) + eps_hat
   F p = V::sub(V::load(param + i), V::div(V::mul(V::set1(s.neg_step_size), m), denom));  // p' = p1 - u
-  if (s.decay != 0.f) p = V::div(p, V::set1(s.decay));                       // p0 = p' / (1 - lr*wd)
+  // NOTE: x/1 == x exactly, so skipping a decay of 1 (wd == 0) saves a division, same bits.
+  if (s.decay != 0.f && s.decay != 1.f) p = V::div(p, V::set1(s.decay));    // p0 = p' / (1 - lr*wd)
   m = s.beta1 != 0.f ? V::div(V::sub(m, V::mul(g, V::set1(s.one_minus_beta1))), V::set1(s.beta1))
                      : zero;                                                 // m0 = (m1 - (1-b1)*g)/b1
   v = s.beta2 != 0.f ? V::clamp_min(V::div(V::sub(v, V::mul(V::mul(g, V::set1(s.one_minus_beta2)), g)),
@@ -188,7 +189,7 @@ template <class V, DType G>
 inline void sign_sgd_inverse_at(const SignSGDScalars& s, float* param, const void* grad, int64_t i) {
   using F = typename V::F;
   F p = V::add(V::load(param + i), V::mul(V::set1(s.lr), V::sign(load_f32<V, G>(grad, i))));  // p1 + lr*sign(g)
-  if (s.decay != 0.f) p = V::div(p, V::set1(s.decay));                                      // / (1 - lr*wd)
+  if (s.decay != 0.f && s.decay != 1.f) p = V::div(p, V::set1(s.decay));                   // / (1 - lr*wd)
   V::store(param + i, p);
 }
 
