@@ -58,7 +58,8 @@ setup(
     ext_modules=[
         Extension(
             "cpu_offload._C",
-            sources=["csrc/bindings.cpp", "csrc/dispatch.cpp", "csrc/pool.cpp", "csrc/batch.cpp"],
+            sources=["csrc/bindings.cpp", "csrc/dispatch.cpp", "csrc/pool.cpp", "csrc/batch.cpp", "csrc/ops.cpp",
+                     "csrc/scalars.cpp", "csrc/validation_cache.cpp"],
             include_dirs=[pybind11.get_include()],
             extra_compile_args=COMMON_FLAGS,
             extra_link_args=["-pthread"],

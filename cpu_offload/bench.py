@@ -4,14 +4,16 @@ First checks each kernel of each ISA against the pure-torch reference (bit for b
 times every (ISA, configuration) on the same tensors, next to torch's fused CPU AdamW (and,
 with ``--deepspeed``, DeepSpeed's CPU Adam when it is installed), and reports each figure as
 a share of a memory bandwidth probe measured in the same run. AdamW with bf16 moments is
-also compared with the same AdamW on fp32 moments, timed alternately. Non-goal: GPU timing
-(benchmarks/e2e.py).
+also compared with the same AdamW on fp32 moments, timed alternately; the inverse AdamW
+step (the rollback of a speculative step) is also timed as the in-place torch ops it replaced.
+Non-goal: GPU timing (benchmarks/e2e.py).
 """
 from __future__ import annotations
 
 import argparse
 import importlib.util
 import json
+import math
 import platform
 import statistics
 import sys
@@ -20,7 +22,7 @@ import time
 import torch
 
 from cpu_offload import kernels
-from cpu_offload.reference import adamw_reference_, sign_sgd_reference_
+from cpu_offload.reference import adamw_inverse_reference_, adamw_reference_, sign_sgd_reference_
 
 __all__ = ["main"]
 
@@ -31,6 +33,8 @@ CONFIGS = {
     "adamw bf16 grads->bf16": 28,   # p rw 8, g 2, m rw 8, v rw 8, out 2
     "adamw bf16 states->bf16": 20,  # p rw 8, g 2, m rw 4, v rw 4, out 2 (bf16 moments)
     "sign_sgd bf16->bf16": 12,      # p rw 8, g 2, out 2
+    "adamw_inverse fp32 grads": 28,  # p rw 8, g 4, m rw 8, v rw 8
+    "adamw_inverse bf16 states": 18,  # p rw 8, g 2, m rw 4, v rw 4 (bf16 moments)
 }
 # bf16-moment configuration -> the same configuration with fp32 moments, timed alternately
 # with it for the "x fp32 states" ratio of elements per second.
@@ -94,6 +98,14 @@ def check_against_reference(isa: str) -> None:
                                **HYPER)
         adamw_reference_(rp, grad, rm, rv, 1, **HYPER)
         ok = ok and torch.equal(p, rp) and torch.equal(m, rm) and torch.equal(v, rv) and torch.equal(out, rp.bfloat16())
+    for moment_dtype in (torch.float32, torch.bfloat16):  # undo one step of random state
+        p, m = p0.clone(), (torch.randn(n, generator=g) * 0.1).to(moment_dtype)
+        v = (torch.rand(n, generator=g) * 0.01).to(moment_dtype)
+        rp, rm, rv = p.clone(), m.clone(), v.clone()
+        with kernels.use_isa(isa):
+            kernels.adamw_inverse_step([p], [grad], [m], [v], torch.full((1,), 3, dtype=torch.int64), **HYPER)
+        adamw_inverse_reference_(rp, grad, rm, rv, 3, **HYPER)
+        ok = ok and torch.equal(p, rp) and torch.equal(m, rm) and torch.equal(v, rv)
     sp, rsp = p.clone(), p.clone()
     with kernels.use_isa(isa):
         kernels.sign_sgd_step([sp], [grad], lr=1e-2, weight_decay=0.1)
@@ -117,6 +129,7 @@ class Workload:
         self.exp_avg_sqs_bf16 = [torch.zeros(s, dtype=torch.bfloat16) for s in sizes]
         self.out_bf16 = [torch.empty(s, dtype=torch.bfloat16) for s in sizes]
         self.steps = torch.zeros(tensors, dtype=torch.int64)
+        self.inverse_steps = torch.ones(tensors, dtype=torch.int64)  # undo a first step: read only
         self.numel = numel
 
     def run(self, config: str) -> None:
@@ -128,6 +141,12 @@ class Workload:
         elif config == "adamw bf16 states->bf16":
             kernels.adamw_step(self.params, self.grads_bf16, self.exp_avgs_bf16, self.exp_avg_sqs_bf16, self.steps,
                                compute_params=self.out_bf16, **HYPER)
+        elif config == "adamw_inverse fp32 grads":
+            kernels.adamw_inverse_step(self.params, self.grads, self.exp_avgs, self.exp_avg_sqs, self.inverse_steps,
+                                       **HYPER)
+        elif config == "adamw_inverse bf16 states":
+            kernels.adamw_inverse_step(self.params, self.grads_bf16, self.exp_avgs_bf16, self.exp_avg_sqs_bf16,
+                                       self.inverse_steps, **HYPER)
         else:
             kernels.sign_sgd_step(self.params, self.grads_bf16, lr=HYPER["lr"], weight_decay=HYPER["weight_decay"],
                                   compute_params=self.out_bf16)
@@ -139,6 +158,21 @@ class Workload:
             self.params, self.grads, self.exp_avgs, self.exp_avg_sqs, [], steps, lr=HYPER["lr"],
             beta1=HYPER["beta1"], beta2=HYPER["beta2"], weight_decay=HYPER["weight_decay"], eps=HYPER["eps"],
             amsgrad=False, maximize=False)
+
+    def torch_op_inverse(self):
+        """The inverse AdamW step of the first step as in-place torch ops on the same fp32
+        tensors: the rollback the native inverse replaced (one temporary pair per tensor)."""
+        def run():
+            for p, grad, m, v in zip(self.params, self.grads, self.exp_avgs, self.exp_avg_sqs):
+                bc1, bc2_sqrt = 1.0 - HYPER["beta1"], math.sqrt(1.0 - HYPER["beta2"])
+                g = grad.to(torch.float32, copy=True)
+                u = torch.sqrt(v).add_(HYPER["eps"] * bc2_sqrt)                    # sqrt(v1) + eps_hat
+                u = torch.mul(m, -(HYPER["lr"] * bc2_sqrt / bc1)).div_(u)          # nss*m1/denom
+                p.sub_(u).div_(1.0 - HYPER["lr"] * HYPER["weight_decay"])          # p0 = (p1 - u)/decay
+                m.sub_(torch.mul(g, 1.0 - HYPER["beta1"], out=u)).div_(HYPER["beta1"])  # m0
+                torch.mul(g, 1.0 - HYPER["beta2"], out=u).mul_(g)
+                v.sub_(u).div_(HYPER["beta2"]).clamp_(min=0.0)                     # v0
+        return run
 
     def deepspeed_cpu_adam(self):
         """DeepSpeed's CPU Adam on the same fp32 tensors, or None (with the reason on stderr)
@@ -181,8 +215,8 @@ def format_table(rows) -> str:
 
 
 _DESCRIPTION = """\
-Times the native AdamW and SignSGD kernels on CPU tensors, next to torch's fused CPU AdamW
-on the same tensors, after checking every kernel of every ISA against the pure-torch
+Times the native AdamW and SignSGD kernels and the inverse AdamW step on CPU tensors, next
+to torch's fused CPU AdamW on the same tensors, after checking every kernel of every ISA against the pure-torch
 reference (cpu_offload.reference), bit for bit."""
 
 _EPILOG = """\
@@ -190,11 +224,13 @@ columns:
   isa            the kernel variant (torch: torch's fused AdamW, deepspeed: DeepSpeed's CPU Adam)
   configuration  what one call does: AdamW with fp32 gradients; AdamW reading bf16 gradients and
                  also writing the bf16 copy of the new weights; the same with bf16 moments
-                 (states); SignSGD bf16 -> bf16
+                 (states); SignSGD bf16 -> bf16; the inverse AdamW step (a rollback) with fp32
+                 gradients and moments, and with bf16 gradients and moments (torch: the same
+                 inverse as in-place torch ops, the rollback before the native kernel)
   ms             median time of one call over --repeats timed calls (default 7), after one
                  warm-up call
   GB/s           minimal bytes moved per element (reads + writes: AdamW 28 B, AdamW with bf16
-                 states 20 B, SignSGD 12 B) x elements / ms
+                 states 20 B, SignSGD 12 B, inverse AdamW 28 B, with bf16 states 18 B) x elements / ms
   Gelem/s        elements updated per second
   of probe       GB/s as a share of the bandwidth probe measured in the same run: a stream
                  x <- x*1 over max(4 x --numel, 128M) floats, one read and one write per element.
@@ -257,6 +293,8 @@ def main(argv=None) -> int:
     if ds_step is not None:
         torch_seconds, seconds = _alternating_median_seconds((torch_step, ds_step), args.repeats)
         rows.append(_row("DeepSpeed CPU Adam fp32", "deepspeed", seconds, 28, args.numel, probe_gbs, torch_seconds))
+    torch_seconds, seconds = _alternating_median_seconds((torch_step, work.torch_op_inverse()), args.repeats)
+    rows.append(_row("torch-op adamw_inverse fp32", "torch", seconds, 28, args.numel, probe_gbs, torch_seconds))
     total = len(isas) * len(CONFIGS)
     for i, (isa, config) in enumerate(((a, c) for a in isas for c in CONFIGS), 1):
         _progress(f"[{i}/{total}] {isa}: {config}")

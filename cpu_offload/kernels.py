@@ -42,6 +42,8 @@ from cpu_offload.topology import format_cpulist
 __all__ = [
     "adamw_step",
     "sign_sgd_step",
+    "adamw_inverse_step",
+    "sign_sgd_inverse_step",
     "accumulate_",
     "isa",
     "available_isas",
@@ -64,7 +66,7 @@ def _apply_isa_override() -> None:
     if not name:
         return
     try:
-        _C.set_isa(name)
+        _C.set_isa(name=name)
     except ValueError as e:
         raise ValueError(
             f"CPU_OFFLOAD_ISA={name!r}: {e}; this CPU runs {available_isas()}"
@@ -85,11 +87,11 @@ def available_isas() -> list:
 def use_isa(name: str) -> Iterator[None]:
     """Runs the block with the kernels of ISA ``name`` (tests and benchmarks)."""
     previous = _C.isa()
-    _C.set_isa(name)
+    _C.set_isa(name=name)
     try:
         yield
     finally:
-        _C.set_isa(previous)
+        _C.set_isa(name=previous)
 
 
 def _allowed_cpus() -> set:
@@ -109,7 +111,7 @@ def set_num_threads(n: int) -> None:
     if n > len(allowed):
         raise ValueError(f"n={n} is more than the {len(allowed)} CPUs this process may use "
                          f"(affinity mask {format_cpulist(allowed)})")
-    _C.set_num_threads(n)
+    _C.set_num_threads(n=n)
 
 
 def get_num_threads() -> int:
@@ -130,7 +132,7 @@ def pin_threads(cpus: Optional[Sequence[int]]) -> None:
         if c not in allowed:
             raise ValueError(f"cpus[{i}]={c} is not a CPU this process may use "
                              f"(affinity mask {format_cpulist(allowed)})")
-    _C.pin_threads(cpus)  # NOTE: validates again: the mask may have changed meanwhile
+    _C.pin_threads(cpus=cpus)  # NOTE: validates again: the mask may have changed meanwhile
 
 
 def get_pinned_cpus() -> Optional[list]:
@@ -239,10 +241,10 @@ def _prepared(kind: str, named_lists, dtypes_by_name):
         # GIL, whatever another thread does to the caller's list meanwhile.
         present.append((name, tensors if type(tensors) is tuple else tuple(tensors)))
     lists = tuple(l for _, l in present)
-    key = (kind, tuple(n for n, _ in present), _C.identity_key(lists))
+    key = (kind, tuple(n for n, _ in present), _C.identity_key(lists=lists))
     with _cache_lock:
         entry = _cache.get(key)
-    if entry is not None and entry.batch.unchanged(lists, _ACCESSORS):
+    if entry is not None and entry.batch.unchanged(lists=lists, accessors=_ACCESSORS):
         with _cache_lock:
             if key in _cache:
                 _cache.move_to_end(key)
@@ -258,7 +260,7 @@ def _prepared(kind: str, named_lists, dtypes_by_name):
     operands = [(name, ptrs, _T.element_size(tensors[0]) if tensors else 4)
                 for (name, tensors), ptrs in zip(present, all_ptrs)]
     entry = _Entry()
-    entry.batch = _C.TensorBatch(numels, operands)  # raises ValueError on overlap
+    entry.batch = _C.TensorBatch(numels=numels, operands=operands)  # raises ValueError on overlap
     entry.codes = codes
     callback = _forget(key)
     unique = {id(t): t for l in lists for t in l}.values()
@@ -286,6 +288,16 @@ def _check_scalar(name, value, *, low=None, high=None, high_open=False):
     if high is not None and (value >= high if high_open else value > high):
         raise ValueError(f"{name} must be {'<' if high_open else '<='} {high}, got {value}")
     return value + 0.0  # NOTE: -0.0 + 0.0 is +0.0: a zero factor never flips the sign of a zero
+
+
+def _adamw_hyper(lr, beta1, beta2, eps, weight_decay, grad_scale) -> dict:
+    """The checked AdamW hyper-parameters as floats, by the names _C.adamw takes."""
+    return dict(lr=_check_scalar("lr", lr, low=0.0),
+                beta1=_check_scalar("beta1", beta1, low=0.0, high=1.0, high_open=True),
+                beta2=_check_scalar("beta2", beta2, low=0.0, high=1.0, high_open=True),
+                eps=_check_scalar("eps", eps, low=0.0),
+                weight_decay=_check_scalar("weight_decay", weight_decay, low=0.0),
+                grad_scale=_check_scalar("grad_scale", grad_scale, low=0.0))
 
 
 def _steps_ptr(steps, count):
@@ -330,12 +342,7 @@ def adamw_step(params, grads, exp_avgs, exp_avg_sqs, steps, *, lr, beta1, beta2,
     Tensor i of every list has the shape of ``params[i]`` (the library passes flat views).
     Empty lists are a no-op (the lists must still agree in length), like torch's foreach ops.
     """
-    lr = _check_scalar("lr", lr, low=0.0)
-    beta1 = _check_scalar("beta1", beta1, low=0.0, high=1.0, high_open=True)
-    beta2 = _check_scalar("beta2", beta2, low=0.0, high=1.0, high_open=True)
-    eps = _check_scalar("eps", eps, low=0.0)
-    weight_decay = _check_scalar("weight_decay", weight_decay, low=0.0)
-    grad_scale = _check_scalar("grad_scale", grad_scale, low=0.0)
+    hyper = _adamw_hyper(lr, beta1, beta2, eps, weight_decay, grad_scale)
     with _TRUE_MEMORY():
         entry, _alive = _prepared(
             "adamw", [("params", params), ("grads", grads), ("exp_avgs", exp_avgs), ("exp_avg_sqs", exp_avg_sqs),
@@ -343,15 +350,19 @@ def adamw_step(params, grads, exp_avgs, exp_avg_sqs, steps, *, lr, beta1, beta2,
             {"params": _FP32, "grads": _GRADS, "exp_avgs": _MOMENTS, "exp_avg_sqs": _MOMENTS,
              "compute_params": _GRADS})
         steps_ptr = _steps_ptr(steps, entry.batch.size)
+    if entry.batch.size == 0:
+        return  # NOTE: empty lists carry no dtype, so no output kind: nothing to hand to _C
+    _C.adamw(batch=entry.batch, grad_dtype=_DTYPE_CODE.get(entry.codes["grads"], 0),
+             moment_dtype=_moment_code(entry), out_kind=_OUT_KIND[entry.codes.get("compute_params")],
+             steps=steps_ptr, **hyper)
+
+
+def _moment_code(entry) -> int:
     moment_dtype = entry.codes["exp_avgs"]
     if entry.codes["exp_avg_sqs"] != moment_dtype:
         raise ValueError(f"exp_avg_sqs has dtype {entry.codes['exp_avg_sqs']} but exp_avgs has {moment_dtype}; "
                          "both moments must be float32 or both bfloat16")
-    if entry.batch.size == 0:
-        return  # NOTE: empty lists carry no dtype, so no output kind: nothing to hand to _C
-    _C.adamw(entry.batch, _DTYPE_CODE.get(entry.codes["grads"], 0), _DTYPE_CODE.get(moment_dtype, 0),
-             _OUT_KIND[entry.codes.get("compute_params")], steps_ptr,
-             lr, beta1, beta2, eps, weight_decay, grad_scale)
+    return _DTYPE_CODE.get(moment_dtype, 0)
 
 
 def sign_sgd_step(params, grads, *, lr, weight_decay, compute_params=None) -> None:
@@ -372,8 +383,56 @@ def sign_sgd_step(params, grads, *, lr, weight_decay, compute_params=None) -> No
                                   {"params": _FP32, "grads": _GRADS, "compute_params": _GRADS})
     if entry.batch.size == 0:
         return  # empty lists: a no-op, as for adamw_step
-    _C.sign_sgd(entry.batch, _DTYPE_CODE.get(entry.codes["grads"], 0),
-                _OUT_KIND[entry.codes.get("compute_params")], lr, weight_decay)
+    _C.sign_sgd(batch=entry.batch, grad_dtype=_DTYPE_CODE.get(entry.codes["grads"], 0),
+                out_kind=_OUT_KIND[entry.codes.get("compute_params")], lr=lr, weight_decay=weight_decay)
+
+
+def adamw_inverse_step(params, grads, exp_avgs, exp_avg_sqs, steps, *, lr, beta1, beta2, eps, weight_decay,
+                       grad_scale=1.0) -> None:
+    """Undoes one ``adamw_step`` in place, from the state after it and the gradients it used.
+
+    With u = nss*m1/(sqrt(v1) + eps_hat), the forward's update from its own constants:
+    p0 = (p1 - u)/decay, m0 = (m1 - (1-b1)*g)/b1, v0 = max((v1 - (1-b2)*g*g)/b2, 0); the
+    division by decay is skipped when decay == 0, and a moment whose beta is 0 comes back 0.
+    Exact to float32 rounding only: the error model is in cpu_offload/rollback.py.
+
+    Args:
+        params, grads, exp_avgs, exp_avg_sqs: as ``adamw_step``, after the step to undo.
+        steps: 1-D int64 tensor, the step count each undone step used (>= 1; read only: the
+            caller keeps its own counts).
+        lr, beta1, beta2, eps, weight_decay, grad_scale: those of the step to undo.
+    """
+    hyper = _adamw_hyper(lr, beta1, beta2, eps, weight_decay, grad_scale)
+    with _TRUE_MEMORY():
+        entry, _alive = _prepared(
+            "adamw_inverse", [("params", params), ("grads", grads), ("exp_avgs", exp_avgs),
+                              ("exp_avg_sqs", exp_avg_sqs)],
+            {"params": _FP32, "grads": _GRADS, "exp_avgs": _MOMENTS, "exp_avg_sqs": _MOMENTS})
+        steps_ptr = _steps_ptr(steps, entry.batch.size)
+    if entry.batch.size == 0:
+        return
+    _C.adamw_inverse(batch=entry.batch, grad_dtype=_DTYPE_CODE.get(entry.codes["grads"], 0),
+                     moment_dtype=_moment_code(entry), steps=steps_ptr, **hyper)
+
+
+def sign_sgd_inverse_step(params, grads, *, lr, weight_decay) -> None:
+    """Undoes one ``sign_sgd_step`` in place: p <- (p + lr*sign(g))/(1 - lr*wd), the
+    division skipped when 1 - lr*wd == 0.
+
+    Args:
+        params: fp32 weights after the step, updated in place.
+        grads: the fp32 or bf16 gradients the step used.
+        lr, weight_decay: those of the step to undo.
+    """
+    lr = _check_scalar("lr", lr, low=0.0)
+    weight_decay = _check_scalar("weight_decay", weight_decay, low=0.0)
+    with _TRUE_MEMORY():
+        entry, _alive = _prepared("sign_sgd_inverse", [("params", params), ("grads", grads)],
+                                  {"params": _FP32, "grads": _GRADS})
+    if entry.batch.size == 0:
+        return
+    _C.sign_sgd_inverse(batch=entry.batch, grad_dtype=_DTYPE_CODE.get(entry.codes["grads"], 0), lr=lr,
+                        weight_decay=weight_decay)
 
 
 def accumulate_(accumulators, grads, add: bool) -> None:
@@ -389,7 +448,7 @@ def accumulate_(accumulators, grads, add: bool) -> None:
     with _TRUE_MEMORY():
         entry, _alive = _prepared("accumulate", [("accumulators", accumulators), ("grads", grads)],
                                   {"accumulators": _FP32, "grads": _GRADS})
-    _C.accumulate(entry.batch, _DTYPE_CODE.get(entry.codes["grads"], 0), add)
+    _C.accumulate(batch=entry.batch, grad_dtype=_DTYPE_CODE.get(entry.codes["grads"], 0), add=add)
 
 
 def scale_stream_(buffer: torch.Tensor, factor: float) -> None:
@@ -397,7 +456,7 @@ def scale_stream_(buffer: torch.Tensor, factor: float) -> None:
     with _TRUE_MEMORY():
         _, (ptr,) = _check_list("buffer", [buffer], 1, _FP32)
         n = _numel(buffer)
-    _C.scale_stream(ptr, n, float(factor))
+    _C.scale_stream(ptr=ptr, numel=n, factor=float(factor))
 
 
 _apply_isa_override()

@@ -40,11 +40,14 @@ import torch
 from cpu_offload.grad_norms import clip_coefficient, total_norm
 from cpu_offload.host_state import note_versions
 from cpu_offload.interrupts import deferred_interrupts
-from cpu_offload.rollback import rollback_adamw_, rollback_sign_sgd_
+from cpu_offload.rollback import rollback_adamw_pieces_, rollback_sign_sgd_pieces_
 
 __all__ = ["StepValidator"]
 
 _WARN_EVERY_S = 60.0
+# The hyper-parameters each rollback reads from a stepped piece's hparams.
+_ADAMW_HPARAMS = ("lr", "beta1", "beta2", "eps", "weight_decay", "grad_scale")
+_SIGN_SGD_HPARAMS = ("lr", "weight_decay")
 
 
 class StepValidator:
@@ -207,9 +210,13 @@ class StepValidator:
                           RuntimeWarning, stacklevel=self._stacklevel())
 
     def _rollback(self, stepped: list) -> list:
-        """Undo every stepped piece; returns their records (step counts restored)."""
+        """Undo every stepped piece; returns their records (step counts restored).
+        NOTE: one native call per group of pieces that share hyper-parameters and dtypes
+        (parallel over the kernel pool), not one per piece."""
         recs: dict = {}
         host_grads: dict = {}  # grad_copy="device": fetched once per parameter
+        names = _ADAMW_HPARAMS if self.algorithm == "adamw" else _SIGN_SGD_HPARAMS
+        groups: dict = {}  # (hparams, grad dtype, moment dtype) -> ([master], [grad], [exp_avg], [exp_avg_sq], [step])
         with torch.no_grad():
             for rec, start, numel, step, hp in stepped:
                 piece = slice(start, start + numel)
@@ -221,13 +228,22 @@ class StepValidator:
                     if id(rec) not in host_grads:
                         host_grads[id(rec)] = rec.retained.to("cpu")
                     grad = host_grads[id(rec)][piece]
+                moments = rec.exp_avg.dtype if self.algorithm == "adamw" else None
+                key = (tuple(hp[n] for n in names), grad.dtype, moments)
+                masters, grads, exp_avgs, exp_avg_sqs, steps = groups.setdefault(key, ([], [], [], [], []))
+                masters.append(rec.master[piece])
+                grads.append(grad)
                 if self.algorithm == "adamw":
-                    rollback_adamw_(rec.master[piece], grad, rec.exp_avg[piece], rec.exp_avg_sq[piece], step,
-                                    lr=hp["lr"], beta1=hp["beta1"], beta2=hp["beta2"], eps=hp["eps"],
-                                    weight_decay=hp["weight_decay"], grad_scale=hp["grad_scale"])
-                else:
-                    rollback_sign_sgd_(rec.master[piece], grad, lr=hp["lr"], weight_decay=hp["weight_decay"])
+                    exp_avgs.append(rec.exp_avg[piece])
+                    exp_avg_sqs.append(rec.exp_avg_sq[piece])
+                    steps.append(step)
                 recs[id(rec)] = rec
+            for (values, *_), (masters, grads, exp_avgs, exp_avg_sqs, steps) in groups.items():
+                hp = dict(zip(names, values))
+                if self.algorithm == "adamw":
+                    rollback_adamw_pieces_(masters, grads, exp_avgs, exp_avg_sqs, steps, **hp)
+                else:
+                    rollback_sign_sgd_pieces_(masters, grads, **hp)
         for rec in recs.values():
             if rec.pieces_total and rec.pieces_done == rec.pieces_total:
                 rec.step -= 1  # it was counted

@@ -51,6 +51,15 @@ TensorBatch::TensorBatch(std::vector<int64_t> numels, std::vector<Operand> opera
   }
 }
 
+void TensorBatch::require_disjoint(uintptr_t begin, uintptr_t bytes, const std::string& what) const {
+  if (bytes == 0) return;
+  const uintptr_t end = begin + bytes;
+  for (int r = 0; r < roles(); ++r)
+    for (int64_t t = 0; t < size(); ++t)
+      if (numel(t) > 0 && ptr(r, t) < end && begin < ptr(r, t) + numel(t) * elem_size(r))
+        throw std::invalid_argument(what + " and " + role_name(r) + "[" + std::to_string(t) + "] overlap in memory");
+}
+
 void TensorBatch::parallel_ranges(const std::function<void(int64_t, int64_t, int64_t)>& fn) const {
   const int64_t n = total();
   if (n == 0) return;

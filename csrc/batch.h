@@ -32,6 +32,10 @@ class TensorBatch {
   int elem_size(int role) const { return operands_[role].elem_size; }
   const std::string& role_name(int role) const { return operands_[role].role; }
 
+  // Throws std::invalid_argument naming `what` and the operand if [begin, begin + bytes)
+  // overlaps any tensor of the batch (e.g. a steps array the kernel writes).
+  void require_disjoint(uintptr_t begin, uintptr_t bytes, const std::string& what) const;
+
   // Calls fn(tensor, begin, end) for disjoint element ranges covering every tensor,
   // spread over up to pool_num_threads() workers.
   void parallel_ranges(const std::function<void(int64_t, int64_t, int64_t)>& fn) const;

@@ -1,6 +1,6 @@
 // Types shared by the dispatcher and the per-ISA kernel builds: element types, the
-// per-tensor scalars each kernel needs (computed once per tensor, in double, by the
-// caller), and the table of per-range kernel entry points that one ISA build fills in.
+// per-tensor scalars each kernel needs (computed once per tensor, in double, by
+// scalars.cpp), and the table of per-range kernel entry points that one ISA build fills in.
 // Non-goal: any torch type. Everything here is raw pointers and sizes.
 #pragma once
 #include <cstdint>
@@ -15,7 +15,8 @@ enum class OutKind : int { none = 0, f32 = 1, bf16 = 2 };
 //   p <- p + (neg_step_size * m) / (sqrt(v) + eps_hat)
 // with the bias corrections folded into the constants (Kingma & Ba, sec. 2):
 //   lr/bc1 * m / (sqrt(v)/sqrt(bc2) + eps) == (lr*sqrt(bc2)/bc1) * m / (sqrt(v) + eps*sqrt(bc2))
-// which saves one division per element.
+// which saves one division per element. The inverse step (adamw_inverse) takes the
+// same struct, folded for the step it undoes, so its update u has the forward's bits.
 struct AdamWScalars {
   float grad_scale;
   float decay;            // 1 - lr*wd
@@ -25,7 +26,7 @@ struct AdamWScalars {
   float neg_step_size;    // -lr * sqrt(1 - beta2^step) / (1 - beta1^step)
 };
 
-// SignSGD: p <- p * decay; p <- p - lr * sign(g), sign(0) = 0.
+// SignSGD: p <- p * decay; p <- p - lr * sign(g), sign(0) = 0 (the inverse: the same struct).
 struct SignSGDScalars {
   float decay;            // 1 - lr*wd (exactly 1 when wd == 0)
   float lr;
@@ -41,6 +42,11 @@ struct KernelTable {
                 void* exp_avg, void* exp_avg_sq, DType moment_dtype, void* out, OutKind out_kind, int64_t n);
   void (*sign_sgd)(const SignSGDScalars& s, float* param, const void* grad, DType grad_dtype,
                    void* out, OutKind out_kind, int64_t n);
+  // Undo one adamw / sign_sgd step in place, from the state after it and its gradient
+  // (the error model: cpu_offload/rollback.py's header).
+  void (*adamw_inverse)(const AdamWScalars& s, float* param, const void* grad, DType grad_dtype,
+                        void* exp_avg, void* exp_avg_sq, DType moment_dtype, int64_t n);
+  void (*sign_sgd_inverse)(const SignSGDScalars& s, float* param, const void* grad, DType grad_dtype, int64_t n);
   void (*accumulate)(float* acc, const void* grad, DType grad_dtype, bool add, int64_t n);
   void (*scale_stream)(float* x, float factor, int64_t n);  // bandwidth probe: x <- x * factor
 };

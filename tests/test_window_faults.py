@@ -146,7 +146,7 @@ def clipped_run(steps, interrupt_at=None, at_step=None):
     rollback loop of step ``at_step``. Returns the wrapper's state and what raised."""
     model, init, off, grads = make(grad_copy="host")
     raised = []
-    real = step_validation.rollback_adamw_
+    real = step_validation.rollback_adamw_pieces_
     calls = {"n": 0, "armed": False}
 
     def rollback(*args, **kwargs):
@@ -156,7 +156,7 @@ def clipped_run(steps, interrupt_at=None, at_step=None):
             calls["n"] += 1
         return real(*args, **kwargs)
 
-    step_validation.rollback_adamw_ = rollback
+    step_validation.rollback_adamw_pieces_ = rollback
     try:
         for s in range(steps):
             backward(model, s)
@@ -169,7 +169,7 @@ def clipped_run(steps, interrupt_at=None, at_step=None):
             calls["armed"] = False
             off.zero_grad()
     finally:
-        step_validation.rollback_adamw_ = real
+        step_validation.rollback_adamw_pieces_ = real
     return off, raised, calls
 
 
@@ -180,7 +180,7 @@ def test_sigint_at_each_call_of_the_rollback_leaves_the_completed_step():
     expected = snapshot(plain)
     _, _, calls = clipped_run(steps, interrupt_at=-1, at_step=1)
     pieces = calls["n"]
-    assert pieces >= 6  # one call per stepped piece: every parameter
+    assert pieces >= 1  # one native call per group of stepped pieces
     for k in range(pieces):
         off, raised, _ = clipped_run(steps, interrupt_at=k, at_step=1)
         assert raised == [1], k  # the interrupt is delivered, after the step completed

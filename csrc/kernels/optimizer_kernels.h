@@ -1,7 +1,9 @@
 // The optimizer math, written once as templates over a vector type V (vec/*.h).
 // Every kernel is a vector loop over whole vectors followed, right under it, by a scalar
 // tail doing the same operations through VecScalar (and, for a streamed bf16 output, a
-// scalar head up to alignment), so any split of the work gives the same bits. NOTE: no fused multiply-add anywhere (and -ffp-contract=off in the build):
+// scalar head up to alignment), so any split of the work gives the same bits. Each forward
+// step has its inverse here too (the rollback of a speculative step, see "inverse steps").
+// NOTE: no fused multiply-add anywhere (and -ffp-contract=off in the build):
 // each step is one correctly rounded IEEE operation, which is what makes every ISA equal
 // the scalar path and the pure-torch reference (cpu_offload/reference.py) bit for bit.
 #pragma once
@@ -135,6 +137,70 @@ void sign_sgd_range(const SignSGDScalars& scalars, float* param, const void* gra
   if constexpr (O == OutKind::bf16) V::stream_fence();
 }
 
+// ---- inverse steps: undo one forward step in place ----
+// From the state after one step (p1, m1, v1), the gradient that made it and the scalars
+// of that step (the same AdamWScalars, so u below has the forward's bits):
+//   u = nss*m1/(sqrt(v1) + eps_hat)
+//   p0 = (p1 - u)/decay;  m0 = (m1 - (1-b1)*g)/b1;  v0 = max((v1 - ((1-b2)*g)*g)/b2, 0)
+// with the division skipped when decay == 0 and a moment whose beta is 0 set to 0 (it
+// carries nothing of its old value). NOTE: exact only to float32 rounding: the masters come
+// back within about one ulp, the moments within a few ulps of the larger of their terms;
+// with bf16 moments u is recomputed from the rounded m1, v1 (off by up to about 2**-8 of
+// |u|). The full error model is the header of cpu_offload/rollback.py.
+template <class V, DType G, DType M>
+inline void adamw_inverse_at(const AdamWScalars& s, float* param, const void* grad, void* exp_avg,
+                             void* exp_avg_sq, int64_t i) {
+  using F = typename V::F;
+  const F zero = V::set1(0.f);
+  F g = V::mul(load_f32<V, G>(grad, i), V::set1(s.grad_scale));
+  F m = load_f32<V, M>(exp_avg, i);
+  F v = load_f32<V, M>(exp_avg_sq, i);
+  F denom = V::add(V::sqrt(v), V::set1(s.eps_hat));                          // sqrt(v1) + eps_hat
+  F p = V::sub(V::load(param + i), V::div(V::mul(V::set1(s.neg_step_size), m), denom));  // p' = p1 - u
+  // NOTE: x/1 == x exactly, so skipping a decay of 1 (wd == 0) saves a division, same bits.
+  if (s.decay != 0.f && s.decay != 1.f) p = V::div(p, V::set1(s.decay));    // p0 = p' / (1 - lr*wd)
+  m = s.beta1 != 0.f ? V::div(V::sub(m, V::mul(g, V::set1(s.one_minus_beta1))), V::set1(s.beta1))
+                     : zero;                                                 // m0 = (m1 - (1-b1)*g)/b1
+  v = s.beta2 != 0.f ? V::clamp_min(V::div(V::sub(v, V::mul(V::mul(g, V::set1(s.one_minus_beta2)), g)),
+                                           V::set1(s.beta2)), zero)
+                     : zero;                                                 // v0 = max((v1 - (1-b2)*g*g)/b2, 0)
+  V::store(param + i, p);
+  store_moment<V, M>(exp_avg, i, m);
+  store_moment<V, M>(exp_avg_sq, i, v);
+}
+
+template <class V, DType G, DType M>
+void adamw_inverse_range(const AdamWScalars& scalars, float* param, const void* grad, void* exp_avg,
+                         void* exp_avg_sq, int64_t n) {
+  const AdamWScalars s = scalars;  // local copy, see adamw_range
+  int64_t i = 0;
+  if constexpr (M == DType::bf16 && V::N > 1) {  // prefetch as adamw_range does
+    for (; i + V::N <= n - kBf16MomentPrefetchAhead; i += V::N) {
+      adamw_prefetch<G, M>(param, grad, exp_avg, exp_avg_sq, i + kBf16MomentPrefetchAhead);
+      adamw_inverse_at<V, G, M>(s, param, grad, exp_avg, exp_avg_sq, i);
+    }
+  }
+  for (; i + V::N <= n; i += V::N) adamw_inverse_at<V, G, M>(s, param, grad, exp_avg, exp_avg_sq, i);
+  for (; i < n; ++i) adamw_inverse_at<VecScalar, G, M>(s, param, grad, exp_avg, exp_avg_sq, i);
+}
+
+// SignSGD: p0 = (p1 + lr*sign(g))/decay, the division skipped when decay == 0.
+template <class V, DType G>
+inline void sign_sgd_inverse_at(const SignSGDScalars& s, float* param, const void* grad, int64_t i) {
+  using F = typename V::F;
+  F p = V::add(V::load(param + i), V::mul(V::set1(s.lr), V::sign(load_f32<V, G>(grad, i))));  // p1 + lr*sign(g)
+  if (s.decay != 0.f && s.decay != 1.f) p = V::div(p, V::set1(s.decay));                   // / (1 - lr*wd)
+  V::store(param + i, p);
+}
+
+template <class V, DType G>
+void sign_sgd_inverse_range(const SignSGDScalars& scalars, float* param, const void* grad, int64_t n) {
+  const SignSGDScalars s = scalars;  // local copy, see adamw_range
+  int64_t i = 0;
+  for (; i + V::N <= n; i += V::N) sign_sgd_inverse_at<V, G>(s, param, grad, i);
+  for (; i < n; ++i) sign_sgd_inverse_at<VecScalar, G>(s, param, grad, i);
+}
+
 // ---- gradient accumulation: acc <- g (copy) or acc <- acc + g ----
 template <class V, DType G, bool Add>
 void accumulate_range(float* acc, const void* grad, int64_t n) {
@@ -193,6 +259,17 @@ struct KernelsFor {
     if (gd == DType::f32) sign_sgd_g<DType::f32>(s, p, g, out, o, n);
     else sign_sgd_g<DType::bf16>(s, p, g, out, o, n);
   }
+  static void adamw_inverse(const AdamWScalars& s, float* p, const void* g, DType gd, void* m, void* v,
+                            DType md, int64_t n) {
+    if (gd == DType::f32) md == DType::f32 ? adamw_inverse_range<V, DType::f32, DType::f32>(s, p, g, m, v, n)
+                                           : adamw_inverse_range<V, DType::f32, DType::bf16>(s, p, g, m, v, n);
+    else md == DType::f32 ? adamw_inverse_range<V, DType::bf16, DType::f32>(s, p, g, m, v, n)
+                          : adamw_inverse_range<V, DType::bf16, DType::bf16>(s, p, g, m, v, n);
+  }
+  static void sign_sgd_inverse(const SignSGDScalars& s, float* p, const void* g, DType gd, int64_t n) {
+    if (gd == DType::f32) sign_sgd_inverse_range<V, DType::f32>(s, p, g, n);
+    else sign_sgd_inverse_range<V, DType::bf16>(s, p, g, n);
+  }
   static void accumulate(float* acc, const void* g, DType gd, bool add, int64_t n) {
     if (gd == DType::f32) add ? accumulate_range<V, DType::f32, true>(acc, g, n)
                               : accumulate_range<V, DType::f32, false>(acc, g, n);
@@ -202,7 +279,8 @@ struct KernelsFor {
   static void scale_stream(float* x, float factor, int64_t n) { scale_stream_range<V>(x, factor, n); }
 
   static const KernelTable* table(const char* name) {
-    static const KernelTable t{name, &adamw, &sign_sgd, &accumulate, &scale_stream};
+    static const KernelTable t{name, &adamw, &sign_sgd, &adamw_inverse, &sign_sgd_inverse, &accumulate,
+                               &scale_stream};
     return &t;
   }
 };

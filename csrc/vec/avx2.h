@@ -52,6 +52,8 @@ struct VecAvx2 {
   static F mul(F a, F b) { return _mm256_mul_ps(a, b); }
   static F div(F a, F b) { return _mm256_div_ps(a, b); }
   static F sqrt(F a) { return _mm256_sqrt_ps(a); }
+  // maxps(lo, x) answers x when either is NaN or both are zero: x < lo ? lo : x, as VecScalar.
+  static F clamp_min(F x, F lo) { return _mm256_max_ps(lo, x); }
   static F sign(F x) {
     const F zero = _mm256_setzero_ps(), one = _mm256_set1_ps(1.f);
     F pos = _mm256_and_ps(_mm256_cmp_ps(x, zero, _CMP_GT_OQ), one);

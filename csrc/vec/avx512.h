@@ -49,6 +49,8 @@ struct VecAvx512 {
   static F mul(F a, F b) { return _mm512_mul_ps(a, b); }
   static F div(F a, F b) { return _mm512_div_ps(a, b); }
   static F sqrt(F a) { return _mm512_sqrt_ps(a); }
+  // maxps(lo, x) answers x when either is NaN or both are zero: x < lo ? lo : x, as VecScalar.
+  static F clamp_min(F x, F lo) { return _mm512_max_ps(lo, x); }
   static F sign(F x) {
     const F zero = _mm512_setzero_ps(), one = _mm512_set1_ps(1.f);
     F pos = _mm512_maskz_mov_ps(_mm512_cmp_ps_mask(x, zero, _CMP_GT_OQ), one);

@@ -45,6 +45,8 @@ struct VecNeon {
   static F mul(F a, F b) { return vmulq_f32(a, b); }
   static F div(F a, F b) { return vdivq_f32(a, b); }
   static F sqrt(F a) { return vsqrtq_f32(a); }
+  // x < lo ? lo : x, as VecScalar: the compare is false for NaN and for -0 vs 0, so x stays.
+  static F clamp_min(F x, F lo) { return vbslq_f32(vcltq_f32(x, lo), lo, x); }
   // sign(x) in {-1, 0, +1}: (x > 0) - (x < 0) as floats, like VecScalar::sign; NaN -> +0.
   static F sign(F x) {
     const F zero = vdupq_n_f32(0.f);

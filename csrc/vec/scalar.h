@@ -37,6 +37,8 @@ struct VecScalar {
   static F mul(F a, F b) { return a * b; }
   static F div(F a, F b) { return a / b; }
   static F sqrt(F a) { return std::sqrt(a); }
+  // x < lo ? lo : x, like torch.clamp(x, min=lo): NaN stays NaN, -0 stays -0 for lo = 0.
+  static F clamp_min(F x, F lo) { return x < lo ? lo : x; }
   // sign(x) in {-1, 0, +1}; NaN -> 0, like torch.sign on the CPU.
   static F sign(F x) { return static_cast<float>(x > 0.f) - static_cast<float>(x < 0.f); }
 };

@@ -75,6 +75,8 @@ struct VecSve {
   static F mul(F a, F b) { return svmul_f32_x(all(), a, b); }
   static F div(F a, F b) { return svdiv_f32_x(all(), a, b); }
   static F sqrt(F a) { return svsqrt_f32_x(all(), a); }
+  // x < lo ? lo : x, as VecScalar: the compare is false for NaN and for -0 vs 0, so x stays.
+  static F clamp_min(F x, F lo) { return svsel_f32(svcmplt_f32(all(), x, lo), lo, x); }
   // sign(x) in {-1, 0, +1}: (x > 0) - (x < 0) as floats, like VecScalar::sign; NaN -> +0.
   static F sign(F x) {
     const svbool_t pg = all();

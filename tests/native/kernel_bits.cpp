@@ -1,5 +1,5 @@
 // Bit-exactness driver for the native kernels, no Python and no torch: every entry of the
-// kernel table (adamw, sign_sgd, accumulate, scale_stream), in every dtype / output
+// kernel table (adamw, sign_sgd, their inverses, accumulate, scale_stream), in every dtype / output
 // combination, on every ISA compiled into this build (x86-64: avx2, avx512, avx512_bf16;
 // aarch64: neon, neon_bf16, sve<bits>[_bf16]) and on the scalar path itself, is compared
 // bit for bit against one whole-range call of the scalar path, on fixed pseudo-random
@@ -157,7 +157,7 @@ T* at(const Buffer& b, int64_t i) {
 const char* dname(DType d) { return d == DType::f32 ? "f32" : "bf16"; }
 const char* oname(OutKind o) { return o == OutKind::none ? "none" : o == OutKind::f32 ? "f32" : "bf16"; }
 
-// AdamW constants computed as bindings.cpp computes them (double, once per tensor).
+// AdamW constants computed as csrc/scalars.cpp computes them (double, once per tensor).
 AdamWScalars adamw_scalars(double lr, double beta1, double beta2, double eps, double wd, double grad_scale,
                            double step) {
   const double bc1 = 1.0 - std::pow(beta1, step), bc2 = 1.0 - std::pow(beta2, step), bc2_sqrt = std::sqrt(bc2);
@@ -207,6 +207,36 @@ std::vector<Check> checks() {
                              o == OutKind::none ? nullptr : at<char>(b[2], lo), o, hi - lo);
                 }};
   }, {3, 17}});
+  // config = 2*g + m (g, m: 0 f32, 1 bf16), times the three constant sets
+  c.push_back({"adamw_inverse", 2 * 2 * 3, [](int64_t n, Rng& r, int config) {
+    const AdamWScalars sets[] = {adamw_scalars(1e-3, 0.9, 0.999, 1e-8, 0.01, 1.0, 1),
+                                 adamw_scalars(3e-4, 0.9, 0.95, 1e-6, 0.1, 0.25, 7),
+                                 adamw_scalars(1.0, 0.0, 0.5, 1e-30, 0.0, 3.0, 2)};
+    const DType g = config / 6 ? DType::bf16 : DType::f32, m = config / 3 % 2 ? DType::bf16 : DType::f32;
+    const int which = config % 3;
+    const AdamWScalars s = sets[which];
+    std::vector<Buffer> b = {make_input("param", DType::f32, n, r, false),
+                             make_input("grad", g, n, r, false, g == DType::bf16),
+                             make_input("exp_avg", m, n, r, false), make_input("exp_avg_sq", m, n, r, true)};
+    return Case{std::string("g=") + dname(g) + " m=" + dname(m) + " scalars=" + std::to_string(which), n, b,
+                [s, g, m](const KernelTable& k, const std::vector<Buffer>& b, int64_t lo, int64_t hi) {
+                  k.adamw_inverse(s, at<float>(b[0], lo), at<char>(b[1], lo), g, at<char>(b[2], lo),
+                                  at<char>(b[3], lo), m, hi - lo);
+                }};
+  }, {1, 10}});
+  // config = 3*g + constants
+  c.push_back({"sign_sgd_inverse", 2 * 3, [](int64_t n, Rng& r, int config) {
+    const SignSGDScalars sets[] = {{static_cast<float>(1.0 - 1e-3 * 0.01), 1e-3f}, {1.0f, 0.5f}, {0.0f, 1.0f}};
+    const DType g = config / 3 ? DType::bf16 : DType::f32;
+    const int which = config % 3;
+    const SignSGDScalars s = sets[which];
+    std::vector<Buffer> b = {make_input("param", DType::f32, n, r, false),
+                             make_input("grad", g, n, r, false, g == DType::bf16)};
+    return Case{std::string("g=") + dname(g) + " scalars=" + std::to_string(which), n, b,
+                [s, g](const KernelTable& k, const std::vector<Buffer>& b, int64_t lo, int64_t hi) {
+                  k.sign_sgd_inverse(s, at<float>(b[0], lo), at<char>(b[1], lo), g, hi - lo);
+                }};
+  }, {4}});
   // config = 2*g + add
   c.push_back({"accumulate", 2 * 2, [](int64_t n, Rng& r, int config) {
     const DType g = config / 2 ? DType::bf16 : DType::f32;

@@ -1,0 +1,20 @@
+// The per-tensor float32 constants of each kernel, folded once per tensor in double from
+// the Python hyper-parameters. The forward step and its inverse both take them from here,
+// so an inverse recomputes the forward's update with the very same constants.
+#pragma once
+#include <cstdint>
+#include "kernel_table.h"
+
+namespace cpu_offload {
+
+struct AdamWHyper {
+  double lr, beta1, beta2, eps, weight_decay, grad_scale;
+};
+
+// The scalars of the AdamW step whose step count is `step` (1 on the first step): the bias
+// corrections 1 - beta^step in double, folded into eps_hat and neg_step_size.
+AdamWScalars adamw_scalars(const AdamWHyper& h, int64_t step);
+
+SignSGDScalars sign_sgd_scalars(double lr, double weight_decay);
+
+}  // namespace cpu_offload
