@@ -14,35 +14,22 @@ from __future__ import annotations
 
 import torch
 
-from cpu_offload.dtensor import as_dtensor_like, local_of
+from collections.abc import Mapping
+
+from cpu_offload.dtensor import local_of
 from cpu_offload.host_state import ParamRecord
+from cpu_offload.state_mapping import saved_entry
 
-__all__ = ["state_view", "state_dict", "load_state_dict"]
-
-_HOST_KEYS = ("master", "exp_avg", "exp_avg_sq")
-
-
-def _entry(opt, rec: ParamRecord) -> dict:
-    out = {"step": torch.tensor(float(rec.step), dtype=torch.float32)}
-    for key in _HOST_KEYS:
-        flat = getattr(rec, key)
-        if flat is None:
-            continue
-        t = flat.view(rec.shape)
-        out[key] = as_dtensor_like(t, rec.param)
-    return out
-
-
-def state_view(opt) -> dict:
-    """``{param: entry}`` for every trainable parameter (views, not copies)."""
-    return {rec.param: _entry(opt, rec) for rec in opt._records}
+__all__ = ["state_dict", "load_state_dict"]
 
 
 def state_dict(opt) -> dict:
     """torch's optimizer ``state_dict`` layout plus ``"master"`` per parameter.
 
     Tensors are views of the live host state, as torch returns its live state
-    tensors; clone them to keep a snapshot.
+    tensors; clone them to keep a snapshot. Each entry is a ``SavedEntry``
+    mapping, not a dict, so that accelerate's set-up round trip leaves it on
+    the host (state_mapping.py); it pickles as an ``OrderedDict``.
     """
     groups = []
     index = 0
@@ -51,7 +38,7 @@ def state_dict(opt) -> dict:
         packed["params"] = list(range(index, index + len(group["params"])))
         index += len(group["params"])
         groups.append(packed)
-    state = {rec.index: _entry(opt, rec) for rec in opt._records}
+    state = {rec.index: saved_entry(rec) for rec in opt._records}
     return {"state": state, "param_groups": groups}
 
 
@@ -106,7 +93,7 @@ def _validate(opt, sd: dict) -> list:
             plan.append((rec, 0, {"master": rec.master}))
             continue
         where = f"state_dict['state'][{saved_id}]"
-        if not isinstance(entry, dict) or "step" not in entry:
+        if not isinstance(entry, Mapping) or "step" not in entry:
             raise ValueError(f"{where} ({rec.name}) has no 'step'")
         tensors = {}
         for key in ("master",) + moments:
