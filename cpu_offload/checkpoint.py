@@ -14,8 +14,6 @@ from __future__ import annotations
 
 import torch
 
-from collections.abc import Mapping
-
 from cpu_offload.dtensor import local_of
 from cpu_offload.host_state import ParamRecord
 from cpu_offload.state_mapping import saved_entry
@@ -27,9 +25,10 @@ def state_dict(opt) -> dict:
     """torch's optimizer ``state_dict`` layout plus ``"master"`` per parameter.
 
     Tensors are views of the live host state, as torch returns its live state
-    tensors; clone them to keep a snapshot. Each entry is a ``SavedEntry``
-    mapping, not a dict, so that accelerate's set-up round trip leaves it on
-    the host (state_mapping.py); it pickles as an ``OrderedDict``.
+    tensors; clone them to keep a snapshot.
+
+    NOTE: plain dicts: torch DCP's in-place load (``_init_state_dict``) replaces
+    any other mapping by None.
     """
     groups = []
     index = 0
@@ -38,7 +37,7 @@ def state_dict(opt) -> dict:
         packed["params"] = list(range(index, index + len(group["params"])))
         index += len(group["params"])
         groups.append(packed)
-    state = {rec.index: saved_entry(rec) for rec in opt._records}
+    state = {rec.index: dict(saved_entry(rec)) for rec in opt._records}
     return {"state": state, "param_groups": groups}
 
 
@@ -93,7 +92,7 @@ def _validate(opt, sd: dict) -> list:
             plan.append((rec, 0, {"master": rec.master}))
             continue
         where = f"state_dict['state'][{saved_id}]"
-        if not isinstance(entry, Mapping) or "step" not in entry:
+        if not isinstance(entry, dict) or "step" not in entry:
             raise ValueError(f"{where} ({rec.name}) has no 'step'")
         tensors = {}
         for key in ("master",) + moments:

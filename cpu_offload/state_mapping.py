@@ -11,12 +11,11 @@
 # exactly what those helpers test (accelerate 1.15, Lightning 2.6):
 #
 # - accelerate's ``move_to_device`` recurses into ``dict``, list and tuple and
-#   calls ``.to`` on ``torch.Tensor``; anything else is returned as it is. A
-#   ``SavedEntry`` is a ``collections.abc.Mapping`` that is not a ``dict``, so
-#   the round trip hands our own host views back (``load_state_dict`` then
-#   copies nothing). torch DCP traverses any ``Mapping``, so it saves and loads
-#   the entries in place; pickling gives an ``OrderedDict`` (``torch.load``
-#   with ``weights_only=True`` allows it).
+#   calls ``.to`` on ``torch.Tensor``. torch DCP's in-place load
+#   (``_init_state_dict``) keeps only dicts, lists and tensors (any other
+#   mapping becomes None), so ``state_dict()`` entries must stay dicts, and
+#   accelerate's round trip still copies them (not solved here: see
+#   tests/test_framework_state_moves.py). ``SavedEntry`` builds one entry.
 # - Lightning moves per key when an entry ``isinstance(v, MutableMapping)``,
 #   else ``optimizer.state[p] = apply_to_collection(v, Tensor, ...)``, which
 #   recurses only into Mapping, Sequence and dataclass values. A ``StateEntry``
@@ -48,12 +47,8 @@ _HOST_KEYS = ("master", "exp_avg", "exp_avg_sq")
 
 
 class SavedEntry(Mapping):
-    """One parameter's ``state_dict()`` entry: a fixed mapping of tensors.
-
-    NOTE: not a ``dict`` on purpose (accelerate's ``move_to_device`` copies only
-    what sits in dicts, lists and tuples to the device); pickles and deep-copies
-    as an ``OrderedDict``.
-    """
+    """One parameter's ``state_dict()`` entry: a fixed mapping of tensors
+    (checkpoint.py hands it out as a dict); pickles as an ``OrderedDict``."""
 
     __slots__ = ("_data",)
 

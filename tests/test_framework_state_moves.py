@@ -35,6 +35,8 @@ def _snapshot(opt):
     return {i: {k: v.clone() for k, v in e.items()} for i, e in opt.state_dict()["state"].items()}
 
 
+# NOTE: open: DCP's in-place load needs dict entries, which accelerate's move_to_device copies.
+@pytest.mark.xfail(strict=True, reason="accelerate's prepare() still copies the complete state_dict to the device")
 def test_accelerate_prepare_moves_no_host_state(monkeypatch):
     accelerate = pytest.importorskip("accelerate")
     import accelerate.optimizer as acc_opt
