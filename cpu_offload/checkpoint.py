@@ -14,10 +14,11 @@ from __future__ import annotations
 
 import torch
 
-from cpu_offload.dtensor import as_dtensor_like, local_of
+from cpu_offload.dtensor import local_of
 from cpu_offload.host_state import ParamRecord
+from cpu_offload.state_mapping import saved_entry
 
-__all__ = ["state_view", "state_dict", "load_state_dict", "SPECULATION_KEY"]
+__all__ = ["state_dict", "load_state_dict", "SPECULATION_KEY"]
 
 # NOTE: the factor the next step speculates with (the last step's clipping coefficient and
 # late scale_grads_ factors) decides which bits a redo produces, so a resume is bit-identical
@@ -25,23 +26,6 @@ __all__ = ["state_view", "state_dict", "load_state_dict", "SPECULATION_KEY"]
 # get_optimizer_state_dict keeps group keys but drops other top-level keys; never written
 # into the live groups.
 SPECULATION_KEY = "speculation_factor"
-_HOST_KEYS = ("master", "exp_avg", "exp_avg_sq")
-
-
-def _entry(opt, rec: ParamRecord) -> dict:
-    out = {"step": torch.tensor(float(rec.step), dtype=torch.float32)}
-    for key in _HOST_KEYS:
-        flat = getattr(rec, key)
-        if flat is None:
-            continue
-        t = flat.view(rec.shape)
-        out[key] = as_dtensor_like(t, rec.param)
-    return out
-
-
-def state_view(opt) -> dict:
-    """``{param: entry}`` for every trainable parameter (views, not copies)."""
-    return {rec.param: _entry(opt, rec) for rec in opt._records}
 
 
 def state_dict(opt) -> dict:
@@ -49,6 +33,9 @@ def state_dict(opt) -> dict:
 
     Tensors are views of the live host state, as torch returns its live state
     tensors; clone them to keep a snapshot.
+
+    NOTE: plain dicts: torch DCP's in-place load (``_init_state_dict``) replaces
+    any other mapping by None.
     """
     groups = []
     index = 0
@@ -58,7 +45,7 @@ def state_dict(opt) -> dict:
         packed[SPECULATION_KEY] = opt._validator.predicted
         index += len(group["params"])
         groups.append(packed)
-    state = {rec.index: _entry(opt, rec) for rec in opt._records}
+    state = {rec.index: dict(saved_entry(rec)) for rec in opt._records}
     return {"state": state, "param_groups": groups}
 
 

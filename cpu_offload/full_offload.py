@@ -67,6 +67,7 @@ from cpu_offload.full_offload_setup import (
     bind_for, check_clipping_options, check_optimizer, check_options, read_hparams, staging_slot_bytes,
 )
 from cpu_offload.pipeline import Pipeline
+from cpu_offload.state_mapping import StateMapping
 from cpu_offload.step_validation import StepValidator
 from cpu_offload.transfer import HostRing, make_transfer
 from cpu_offload.window import finish_window, reset_window, salvage_window
@@ -262,6 +263,7 @@ class FullCPUOffloadOptimizer(WindowControls, torch.optim.Optimizer):
         self._pinned_bytes = d2h.nbytes + h2d.nbytes
         self._pid = os.getpid()
         note_versions(records)
+        self._state = StateMapping(records, guard=lambda what: None if (w := ref()) is None else w._check_idle(what))
         self._finalizer = weakref.finalize(self, _shutdown, records, self._pipeline, transfer)
         if any(dtype.itemsize > compute_dtype.itemsize for dtype in originals.values()):
             watch_first_forward(self, compute_dtype)  # explains the dtype error of fp32 inputs
@@ -514,8 +516,10 @@ class FullCPUOffloadOptimizer(WindowControls, torch.optim.Optimizer):
     # ---------------------------------------------------- state and checkpoints
     @property
     def state(self):
-        """``{param: {"step", "master", "exp_avg", "exp_avg_sq"}}`` views of the host state."""
-        return checkpoint.state_view(self)
+        """``{param: {"step", "master", "exp_avg", "exp_avg_sq"}}``: one mapping, built at construction,
+        of live views of the host state, for every trainable parameter (step 0 and zero moments before
+        its first step). Assigning a key copies the values in, between steps (state_mapping.py)."""
+        return self._state
 
     def state_dict(self) -> dict:
         self._check_between_steps("state_dict()")
@@ -570,6 +574,11 @@ class FullCPUOffloadOptimizer(WindowControls, torch.optim.Optimizer):
         if self._proto.phase is Phase.CLOSED:
             raise RuntimeError("this FullCPUOffloadOptimizer is closed")
         self._settle()
+
+    def _check_idle(self, what: str) -> None:
+        self._check_between_steps(what)
+        if self._proto.phase is not Phase.IDLE:
+            raise RuntimeError(f"{what} {self._proto.phase.value}: call it after step()")
 
     def _check_between_steps(self, what: str) -> None:
         self._enter()

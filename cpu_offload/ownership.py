@@ -4,11 +4,11 @@
 # reducer would never see the gradients the hooks consume).
 #
 # Scope: a process-wide registry of owned parameters, the cast marker, the DDP
-# check, the fork check. Non-goals: anything per step.
+# check (a registry of live DDP instances), the fork check. Non-goals:
+# anything per step.
 
 from __future__ import annotations
 
-import gc
 import os
 import threading
 import weakref
@@ -20,6 +20,24 @@ __all__ = ["check_unowned", "claim", "release", "mark_cast", "check_not_cast", "
 _lock = threading.Lock()
 _owners: dict = {}  # id(param) -> (weakref to the param, weakref to the owning wrapper)
 _CAST_ATTR = "_cpu_offload_cast_from"
+_ddp_instances: "weakref.WeakSet" = weakref.WeakSet()  # live DistributedDataParallel wrappers
+
+
+def _note_ddp(owner, name, submodule):
+    """Global module-registration hook: remember every DDP that adopts a module.
+
+    NOTE: DistributedDataParallel leaves no marker on its parameters or module
+    (its reducer's autograd hooks are C++ only), but its ``__init__`` assigns
+    ``self.module = module``, which runs torch's global module-registration
+    hooks. Installed when this module is imported (``import cpu_offload``), so
+    it sees every DDP built after that: one isinstance check per submodule
+    registration, no walk over the heap. Returns None (keeps the submodule).
+    """
+    if name == "module" and isinstance(owner, torch.nn.parallel.DistributedDataParallel):
+        _ddp_instances.add(owner)
+
+
+torch.nn.modules.module.register_module_module_registration_hook(_note_ddp)
 
 
 def check_unowned(records) -> None:
@@ -84,19 +102,14 @@ def check_not_cast(records) -> None:
 def check_not_ddp(records) -> None:
     """Refuse parameters of a module wrapped by DistributedDataParallel.
 
-    NOTE: DDP keeps no marker on its parameters, so this looks for live DDP
-    instances; it only runs when a default process group exists (DDP needs one).
+    NOTE: looks through the DDP instances built since ``import cpu_offload``
+    (``_note_ddp``); a DDP built before that import is not seen.
     """
-    import torch.distributed as dist
-
-    if not (dist.is_available() and dist.is_initialized()):
-        return
-    from torch.nn.parallel import DistributedDataParallel
-
     ours = {id(r.param): r for r in records}
-    for obj in gc.get_objects():
-        if isinstance(obj, DistributedDataParallel):
-            for p in obj.module.parameters():
+    for ddp in list(_ddp_instances):
+        module = getattr(ddp, "module", None)
+        if module is not None:
+            for p in module.parameters():
                 if id(p) in ours:
                     raise RuntimeError(
                         f"parameter {ours[id(p)].name} belongs to a DistributedDataParallel model: full offload "

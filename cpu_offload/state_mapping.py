@@ -1,0 +1,202 @@
+# The mappings through which full offload's host state is read (``opt.state``,
+# ``state_dict()["state"]``), shaped so that the frameworks' device-placement
+# helpers leave the host state where it is.
+#
+# Frameworks move optimizer state at set-up: accelerate's AcceleratedOptimizer
+# runs ``load_state_dict(move_to_device(state_dict()))`` (HF Trainer and TRL
+# through it), Lightning's ``_optimizer_to_device`` moves ``optimizer.state``
+# at set-up, after a resume and at teardown. Plain AdamW's state is empty then;
+# full offload's is the whole host state from construction (12 B per
+# parameter), which would land on the GPU at once. The types below rely on
+# exactly what those helpers test (accelerate 1.15, Lightning 2.6):
+#
+# - accelerate's ``move_to_device`` recurses into ``dict``, list and tuple and
+#   calls ``.to`` on ``torch.Tensor``. torch DCP's in-place load
+#   (``_init_state_dict``) keeps only dicts, lists and tensors (any other
+#   mapping becomes None), so ``state_dict()`` entries must stay dicts, and
+#   accelerate's round trip still copies them (not solved here: see
+#   tests/test_framework_state_moves.py). ``SavedEntry`` builds one entry.
+# - Lightning moves per key when an entry ``isinstance(v, MutableMapping)``,
+#   else ``optimizer.state[p] = apply_to_collection(v, Tensor, ...)``, which
+#   recurses only into Mapping, Sequence and dataclass values. A ``StateEntry``
+#   is none of those (duck-typed: ``[]``, ``keys``, ``items``, ``get``...), so
+#   it comes back unchanged and assigning the same entry back is a no-op.
+#
+# ``opt.state`` is one ``StateMapping`` built at construction: O(1) per
+# lookup, every trainable parameter from construction on (torch DCP's
+# ``_init_optim_state`` fake-steps an optimizer whose state is empty, which
+# full offload cannot take). Writes (``opt.state[p]["exp_avg"] = t``) copy the
+# values into the host state, between steps only.
+#
+# Non-goals: the checkpoint format and its validation (checkpoint.py).
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from collections.abc import Mapping, MutableMapping
+from typing import Callable
+
+import torch
+
+from cpu_offload.dtensor import as_dtensor_like
+from cpu_offload.host_state import ParamRecord, note_versions
+
+__all__ = ["SavedEntry", "StateEntry", "StateMapping"]
+
+_HOST_KEYS = ("master", "exp_avg", "exp_avg_sq")
+
+
+class SavedEntry(Mapping):
+    """One parameter's ``state_dict()`` entry: a fixed mapping of tensors
+    (checkpoint.py hands it out as a dict); pickles as an ``OrderedDict``."""
+
+    __slots__ = ("_data",)
+
+    def __init__(self, data=()):
+        self._data = dict(data)
+
+    def __getitem__(self, key):
+        return self._data[key]
+
+    def __iter__(self):
+        return iter(self._data)
+
+    def __len__(self) -> int:
+        return len(self._data)
+
+    def __reduce__(self):
+        return (OrderedDict, (list(self._data.items()),))
+
+    def __repr__(self) -> str:
+        return f"SavedEntry({self._data!r})"
+
+
+def host_keys(rec: ParamRecord) -> tuple:
+    return tuple(key for key in _HOST_KEYS if getattr(rec, key) is not None)
+
+
+def saved_entry(rec: ParamRecord) -> SavedEntry:
+    """A ``state_dict()`` entry: the step count (a new tensor) and views of the host buffers."""
+    out = {"step": torch.tensor(float(rec.step), dtype=torch.float32)}
+    for key in host_keys(rec):
+        out[key] = as_dtensor_like(getattr(rec, key).view(rec.shape), rec.param)
+    return SavedEntry(out)
+
+
+class StateEntry:
+    """Live view of one parameter's host state: ``step`` (a new 0-d tensor per
+    read), ``master``, ``exp_avg``, ``exp_avg_sq`` (views of the host buffers).
+
+    ``entry[key] = value`` copies ``value`` into the host state (any device or
+    float dtype; the moments are rounded to their stored dtype); ``"master"``
+    also refreshes the compute copy, ``"step"`` sets the step count.
+
+    NOTE: deliberately neither a Mapping nor a MutableMapping (see the header:
+    Lightning's device move leaves such values alone).
+    """
+
+    __slots__ = ("_rec", "_guard", "_keys", "_views")
+
+    def __init__(self, rec: ParamRecord, guard: Callable[[str], None]):
+        self._rec, self._guard = rec, guard
+        self._keys = ("step",) + host_keys(rec)
+        self._views: dict = {}  # the host buffers never move: their views are made once
+
+    def __getitem__(self, key):
+        rec = self._rec
+        if key == "step":
+            return torch.tensor(float(rec.step), dtype=torch.float32)
+        if key not in self._keys:
+            raise KeyError(key)
+        view = self._views.get(key)
+        if view is None:
+            view = self._views[key] = as_dtensor_like(getattr(rec, key).view(rec.shape), rec.param)
+        return view
+
+    def __setitem__(self, key, value) -> None:
+        from cpu_offload.checkpoint import _host, _step  # the checkpoint's own argument checks
+
+        rec = self._rec
+        where = f"opt.state[{rec.name}][{key!r}]"
+        if key not in self._keys:
+            raise KeyError(f"{where}: full offload keeps {list(self._keys)} per parameter")
+        self._guard(f"assigning {where}")
+        with torch.no_grad():
+            if key == "step":
+                rec.step = _step(value, where, rec)
+                return
+            src, flat = _host(value, where, rec), getattr(rec, key)
+            if src.data_ptr() != flat.data_ptr() or src.device != flat.device:
+                flat.copy_(src)
+            if key == "master":  # NOTE: the compute copy is always round(master)
+                local = rec.local()
+                local.view(-1).copy_(rec.master.to(local.dtype))
+                note_versions([rec])
+
+    def __delitem__(self, key) -> None:
+        raise TypeError(f"opt.state[{self._rec.name}][{key!r}] cannot be deleted: full offload's host state is fixed")
+
+    def keys(self):
+        return list(self._keys)
+
+    def __iter__(self):
+        return iter(self._keys)
+
+    def __len__(self) -> int:
+        return len(self._keys)
+
+    def __contains__(self, key) -> bool:
+        return key in self._keys
+
+    def get(self, key, default=None):
+        return self[key] if key in self._keys else default
+
+    def items(self):
+        return [(key, self[key]) for key in self._keys]
+
+    def values(self):
+        return [self[key] for key in self._keys]
+
+    def __repr__(self) -> str:
+        return f"StateEntry({self._rec.name}, step={self._rec.step}, keys={list(self._keys)})"
+
+
+class StateMapping(MutableMapping):
+    """``opt.state``: ``{param: StateEntry}`` for every trainable parameter, built once."""
+
+    def __init__(self, records, guard: Callable[[str], None]):
+        self._entries = {rec.param: StateEntry(rec, guard) for rec in records}
+
+    def __getitem__(self, param) -> StateEntry:
+        try:
+            return self._entries[param]
+        except (KeyError, TypeError):
+            raise KeyError("opt.state: not a trainable parameter of this full-offload optimizer") from None
+
+    def __setitem__(self, param, value) -> None:
+        entry = self[param]
+        if value is entry:  # Lightning assigns back what it read
+            return
+        if not isinstance(value, (Mapping, StateEntry)):
+            raise TypeError(f"opt.state[param] must be set to a mapping of tensors, got {type(value).__name__}")
+        for key in value.keys():
+            entry[key] = value[key]
+
+    def __delitem__(self, param) -> None:
+        self[param]
+        raise TypeError("opt.state entries cannot be deleted: full offload's host state is fixed at construction")
+
+    def __iter__(self):
+        return iter(self._entries)
+
+    def __len__(self) -> int:
+        return len(self._entries)
+
+    def __contains__(self, param) -> bool:
+        try:
+            return param in self._entries
+        except TypeError:
+            return False
+
+    def __repr__(self) -> str:
+        return f"StateMapping({len(self._entries)} parameters)"

@@ -1,0 +1,61 @@
+# The DDP refusal of full offload without a walk over the heap: the refusal
+# still happens, gc.get_objects is never called, and no deprecation warning of
+# torch.distributed (a heap walk touches torch.distributed.reduce_op) is raised.
+import gc
+import warnings
+
+import pytest
+import torch
+import torch.nn as nn
+
+from cpu_offload.full_offload import FullCPUOffloadOptimizer
+
+SMALL = dict(pinned_bytes=1 << 15, num_slots=2)
+
+
+@pytest.fixture
+def gloo_group(tmp_path):
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path}/store", rank=0, world_size=1)
+    yield
+    dist.destroy_process_group()
+
+
+def _no_heap_walk(*args, **kwargs):
+    raise AssertionError("gc.get_objects() called: a walk over the whole heap")
+
+
+def test_ddp_refused_without_heap_walk_or_warning(gloo_group, monkeypatch):
+    torch.manual_seed(0)
+    inner = nn.Sequential(nn.Linear(8, 8), nn.GELU(), nn.Linear(8, 2))
+    model = nn.parallel.DistributedDataParallel(inner)
+    monkeypatch.setattr(gc, "get_objects", _no_heap_walk)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        with pytest.raises(RuntimeError, match=r"DistributedDataParallel model"):
+            FullCPUOffloadOptimizer(torch.optim.AdamW(model.parameters()), **SMALL)
+        with pytest.raises(RuntimeError, match=r"DistributedDataParallel model"):  # the inner module's too
+            FullCPUOffloadOptimizer(torch.optim.AdamW(inner[2].parameters()), **SMALL)
+    assert all(p.dtype == torch.float32 for p in model.parameters())  # nothing changed
+    assert not [str(w.message) for w in caught if "deprecated" in str(w.message)]
+
+
+def test_model_without_ddp_under_a_process_group_is_accepted(gloo_group, monkeypatch):
+    torch.manual_seed(1)
+    other = nn.parallel.DistributedDataParallel(nn.Linear(4, 4))  # a live DDP over other parameters
+    model = nn.Sequential(nn.Linear(8, 8), nn.Linear(8, 2))
+    monkeypatch.setattr(gc, "get_objects", _no_heap_walk)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        opt = FullCPUOffloadOptimizer(torch.optim.AdamW(model.parameters()), **SMALL)
+    try:
+        assert not [str(w.message) for w in caught if "deprecated" in str(w.message)]
+        x = torch.randn(3, 8).to(torch.bfloat16)
+        before = model[0].weight.detach().clone()
+        model(x).float().sum().backward()
+        opt.step()
+        assert not torch.equal(before, model[0].weight.detach())
+    finally:
+        opt.close()
+    del other

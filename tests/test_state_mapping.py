@@ -1,0 +1,66 @@
+# opt.state of full offload: one persistent mapping, O(1) per lookup, whose
+# per-parameter entries write through into the host state between steps.
+import time
+
+import pytest
+import torch
+import torch.nn as nn
+
+import cpu_offload
+
+
+def _full(params, **options):
+    return cpu_offload.offload_optimizer(torch.optim.AdamW(params, lr=1e-2, weight_decay=0.1), offload="full",
+                                         pinned_bytes=1 << 16, num_slots=2, **options)
+
+
+def test_state_lookup_is_constant_time_with_10000_parameters():
+    torch.manual_seed(0)
+    params = [nn.Parameter(torch.randn(4)) for _ in range(10_000)]
+    opt = _full(params)
+    try:
+        state = opt.state
+        assert state is opt.state  # built once, not per access
+        t0 = time.perf_counter()
+        for p in params[:2000]:
+            assert opt.state[p]["exp_avg"].shape == (4,)
+        per_access_ms = (time.perf_counter() - t0) / 2000 * 1e3
+        print(f"opt.state[p]['exp_avg'] with 10,000 parameters: {per_access_ms:.4f} ms per access")
+        assert per_access_ms < 1.0
+        assert len(opt.state) == 10_000 and all(p in opt.state for p in params[:10])
+    finally:
+        opt.close()
+
+
+def test_state_entries_write_through_between_steps_and_refuse_inside_a_window():
+    torch.manual_seed(1)
+    model = nn.Sequential(nn.Linear(8, 16), nn.GELU(), nn.Linear(16, 4))
+    opt = _full(model.parameters(), grad_accum_steps=2)
+    try:
+        w = model[0].weight
+        entry = opt.state[w]
+        m = torch.randn(16, 8)
+        entry["exp_avg"] = m.clone()
+        assert torch.equal(opt.state[w]["exp_avg"], m) and torch.equal(opt.state_dict()["state"][0]["exp_avg"], m)
+        master = torch.randn(16, 8)
+        entry["master"] = master
+        assert torch.equal(opt.state[w]["master"], master)
+        assert torch.equal(w.detach(), master.to(torch.bfloat16))  # compute copy == round(master)
+        entry["step"] = torch.tensor(7.0)
+        assert int(opt.state[w]["step"]) == 7 and int(opt.state_dict()["state"][0]["step"]) == 7
+        opt.state[w] = opt.state[w]  # what Lightning does: a no-op
+        assert torch.equal(opt.state[w]["master"], master)
+        with pytest.raises(ValueError, match=r"opt.state\[.*\]\['exp_avg'\].*shape"):
+            entry["exp_avg"] = torch.zeros(3)
+        with pytest.raises(KeyError, match="keeps"):
+            entry["momentum_buffer"] = torch.zeros(16, 8)
+        with pytest.raises(KeyError, match="not a trainable parameter"):
+            opt.state[nn.Parameter(torch.zeros(2))]
+        model(torch.randn(3, 8).to(torch.bfloat16)).float().sum().backward()  # 1 of 2: accumulating
+        with pytest.raises(RuntimeError, match="after step"):
+            entry["exp_avg"] = m
+        opt.step()
+        entry["exp_avg"] = m  # between steps again
+        assert torch.equal(opt.state[w]["exp_avg"], m)
+    finally:
+        opt.close()
