@@ -16,7 +16,7 @@ import torch
 
 from cpu_offload.dtensor import local_of
 from cpu_offload.host_state import ParamRecord
-from cpu_offload.state_mapping import saved_entry
+from cpu_offload.state_mapping import HOST_STATE_KEPT, saved_entry
 
 __all__ = ["state_dict", "load_state_dict", "SPECULATION_KEY"]
 
@@ -28,11 +28,12 @@ __all__ = ["state_dict", "load_state_dict", "SPECULATION_KEY"]
 SPECULATION_KEY = "speculation_factor"
 
 
-def state_dict(opt) -> dict:
+def state_dict(opt, *, host_state: bool = True) -> dict:
     """torch's optimizer ``state_dict`` layout plus ``"master"`` per parameter.
 
     Tensors are views of the live host state, as torch returns its live state
-    tensors; clone them to keep a snapshot.
+    tensors; clone them to keep a snapshot. ``host_state=False``: the groups alone,
+    marked ``HOST_STATE_KEPT`` (for a framework's device round trip, state_mapping.py).
 
     NOTE: plain dicts: torch DCP's in-place load (``_init_state_dict``) replaces
     any other mapping by None.
@@ -43,8 +44,12 @@ def state_dict(opt) -> dict:
         packed = {k: v for k, v in group.items() if k != "params"}
         packed["params"] = list(range(index, index + len(group["params"])))
         packed[SPECULATION_KEY] = opt._validator.predicted
+        if not host_state:
+            packed[HOST_STATE_KEPT] = True
         index += len(group["params"])
         groups.append(packed)
+    if not host_state:
+        return {"state": {}, "param_groups": groups}
     state = {rec.index: dict(saved_entry(rec)) for rec in opt._records}
     return {"state": state, "param_groups": groups}
 
@@ -70,6 +75,20 @@ def _step(value, where: str, rec: ParamRecord) -> int:
     return int(step)
 
 
+def _validate_groups(opt, saved_groups) -> None:
+    if not isinstance(saved_groups, (list, tuple)):
+        raise ValueError("state_dict['param_groups'] must be a list of dicts")
+    if len(saved_groups) != len(opt.param_groups):
+        raise ValueError(f"state_dict has {len(saved_groups)} param groups, the optimizer has {len(opt.param_groups)}")
+    for g, (saved, group) in enumerate(zip(saved_groups, opt.param_groups)):
+        if not isinstance(saved, dict) or "params" not in saved:
+            raise ValueError(f"state_dict['param_groups'][{g}] must be a dict with 'params'")
+        if len(saved["params"]) != len(group["params"]):
+            raise ValueError(
+                f"state_dict param_groups[{g}] has {len(saved['params'])} parameters, the optimizer has {len(group['params'])}"
+            )
+
+
 def _validate(opt, sd: dict) -> list:
     """Check the whole state_dict against the optimizer before anything is written.
 
@@ -80,15 +99,7 @@ def _validate(opt, sd: dict) -> list:
     if not isinstance(sd, dict) or "state" not in sd or "param_groups" not in sd:
         raise ValueError("state_dict must be a dict with 'state' and 'param_groups'")
     saved_groups = sd["param_groups"]
-    if len(saved_groups) != len(opt.param_groups):
-        raise ValueError(f"state_dict has {len(saved_groups)} param groups, the optimizer has {len(opt.param_groups)}")
-    for g, (saved, group) in enumerate(zip(saved_groups, opt.param_groups)):
-        if not isinstance(saved, dict) or "params" not in saved:
-            raise ValueError(f"state_dict['param_groups'][{g}] must be a dict with 'params'")
-        if len(saved["params"]) != len(group["params"]):
-            raise ValueError(
-                f"state_dict param_groups[{g}] has {len(saved['params'])} parameters, the optimizer has {len(group['params'])}"
-            )
+    _validate_groups(opt, saved_groups)
     saved_ids = [i for saved in saved_groups for i in saved["params"]]  # saved id of our index k
     state = sd["state"]
     moments = ("exp_avg", "exp_avg_sq") if opt._algorithm == "adamw" else ()
@@ -126,6 +137,13 @@ def _speculation_factor(saved_groups) -> float:
     return float(value)
 
 
+def _load_groups(opt, saved_groups) -> None:
+    for saved, group in zip(saved_groups, opt.param_groups):
+        for k, v in saved.items():
+            if k not in ("params", "param_names", SPECULATION_KEY, HOST_STATE_KEPT):
+                group[k] = v  # in place: LR schedulers hold these dicts
+
+
 def load_state_dict(opt, sd: dict) -> None:
     """Restore masters, moments, step counts and group options; refresh the
     device compute copy from the restored masters. All or nothing: the whole
@@ -136,6 +154,11 @@ def load_state_dict(opt, sd: dict) -> None:
     rounded master: the master is the more precise copy of them). Moments of
     either float dtype load into the stored one (``copy_`` converts).
     """
+    if isinstance(sd, dict) and isinstance(sd.get("param_groups"), (list, tuple)) and \
+            any(isinstance(g, dict) and g.get(HOST_STATE_KEPT) for g in sd["param_groups"]):
+        _validate_groups(opt, sd["param_groups"])
+        _load_groups(opt, sd["param_groups"])  # the host state stayed where it is
+        return
     plan = _validate(opt, sd)
     factor = _speculation_factor(sd["param_groups"])
     with torch.no_grad():
@@ -153,10 +176,7 @@ def load_state_dict(opt, sd: dict) -> None:
                 flat = getattr(rec, key)
                 if src.data_ptr() != flat.data_ptr():  # DCP may have loaded into our own views
                     flat.copy_(src)
-        for saved, group in zip(sd["param_groups"], opt.param_groups):
-            for k, v in saved.items():
-                if k not in ("params", "param_names", SPECULATION_KEY):
-                    group[k] = v  # in place: LR schedulers hold these dicts
+        _load_groups(opt, sd["param_groups"])
         for rec in opt._records:
             local = rec.local()
             local.view(-1).copy_(rec.master.to(local.dtype))  # compute copy <- round(master)

@@ -67,7 +67,7 @@ from cpu_offload.full_offload_setup import (
     bind_for, check_clipping_options, check_optimizer, check_options, read_hparams, staging_slot_bytes,
 )
 from cpu_offload.pipeline import Pipeline
-from cpu_offload.state_mapping import StateMapping
+from cpu_offload.state_mapping import StateMapping, for_device_placement
 from cpu_offload.step_validation import StepValidator
 from cpu_offload.transfer import HostRing, make_transfer
 from cpu_offload.window import finish_window, reset_window, salvage_window
@@ -526,7 +526,8 @@ class FullCPUOffloadOptimizer(WindowControls, torch.optim.Optimizer):
         with deferred_interrupts():  # NOTE: as in step()
             self._guarded(self._validator.apply)  # a pending clip belongs to the saved step
         adopt_external_weights(self._records)
-        return state_dict_with_hooks(self, lambda: checkpoint.state_dict(self))
+        host_state = not for_device_placement()  # accelerate's set-up round trip moves nothing
+        return state_dict_with_hooks(self, lambda: checkpoint.state_dict(self, host_state=host_state))
 
     def load_state_dict(self, state_dict: dict) -> None:
         self._check_between_steps("load_state_dict()")

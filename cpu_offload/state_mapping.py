@@ -22,6 +22,13 @@
 #   is none of those (duck-typed: ``[]``, ``keys``, ``items``, ``get``...), so
 #   it comes back unchanged and assigning the same entry back is a no-op.
 #
+# - accelerate's ``move_to_device`` copies every tensor inside dicts, and torch DCP's
+#   in-place load needs dict entries, so no entry type serves both. Instead,
+#   ``for_device_placement()`` recognises the one call that is a pure device round
+#   trip, ``state_dict()`` from ``AcceleratedOptimizer.__init__``: it then gets the
+#   param groups marked ``HOST_STATE_KEPT`` and no state, and ``load_state_dict`` of
+#   such a dict applies the groups alone. Any other caller gets the whole state.
+#
 # ``opt.state`` is one ``StateMapping`` built at construction: O(1) per
 # lookup, every trainable parameter from construction on (torch DCP's
 # ``_init_optim_state`` fake-steps an optimizer whose state is empty, which
@@ -32,6 +39,8 @@
 
 from __future__ import annotations
 
+import os
+import sys
 from collections import OrderedDict
 from collections.abc import Mapping, MutableMapping
 from typing import Callable
@@ -41,7 +50,26 @@ import torch
 from cpu_offload.dtensor import as_dtensor_like
 from cpu_offload.host_state import ParamRecord, note_versions
 
-__all__ = ["SavedEntry", "StateEntry", "StateMapping"]
+__all__ = ["SavedEntry", "StateEntry", "StateMapping", "HOST_STATE_KEPT", "for_device_placement"]
+
+# Param-group key of a state_dict that holds no state because the state stayed on the host.
+HOST_STATE_KEPT = "host_state_kept"
+_OWN_DIRS = (os.path.dirname(os.path.abspath(__file__)), os.path.dirname(torch.__file__))
+
+
+def for_device_placement() -> bool:
+    """Whether the running ``state_dict()`` call is accelerate's set-up round trip
+    (``AcceleratedOptimizer.__init__``: ``load_state_dict(move_to_device(state_dict()))``).
+
+    NOTE: the first frame outside this package and torch decides; a Lightning proxy or a
+    state-dict hook in between is inside them. accelerate's own ``state_dict()`` (its
+    checkpoints) is another function and gets the whole state.
+    """
+    frame = sys._getframe(1)
+    while frame is not None and frame.f_code.co_filename.startswith(_OWN_DIRS):
+        frame = frame.f_back
+    return (frame is not None and frame.f_code.co_name == "__init__"
+            and frame.f_globals.get("__name__") == "accelerate.optimizer")
 
 _HOST_KEYS = ("master", "exp_avg", "exp_avg_sq")
 

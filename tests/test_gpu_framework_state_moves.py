@@ -29,7 +29,6 @@ def full(model):
     return cpu_offload.offload_optimizer(torch.optim.AdamW(model.parameters(), lr=1e-4), offload="full")
 
 
-@pytest.mark.xfail(strict=True, reason="accelerate's prepare() still copies the complete state_dict to the device")
 def test_accelerate_prepare_peak_within_5_percent_of_weights():
     accelerate = pytest.importorskip("accelerate")
     from accelerate.state import AcceleratorState, GradientState
