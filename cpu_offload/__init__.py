@@ -37,8 +37,8 @@ if _util.find_spec("cpu_offload._C") is None:
     raise ImportError(_missing_native_module(), name="cpu_offload._C")
 
 from cpu_offload.optim import SignSGD  # noqa: E402
-from cpu_offload.full_offload import FullCPUOffloadOptimizer  # noqa: E402
+from cpu_offload._full.optimizer import FullCPUOffloadOptimizer  # noqa: E402
 from cpu_offload.offload import offload_optimizer  # noqa: E402
-from cpu_offload.state_offload import StateOffloadOptimizer  # noqa: E402
+from cpu_offload._state.optimizer import StateOffloadOptimizer  # noqa: E402
 
 __all__ = ["SignSGD", "offload_optimizer", "FullCPUOffloadOptimizer", "StateOffloadOptimizer"]

@@ -36,8 +36,9 @@ from typing import Iterator, Optional, Sequence
 
 import torch
 
+from cpu_offload._common.checks import check_int
 from cpu_offload import _C
-from cpu_offload.topology import format_cpulist
+from cpu_offload._common.cpulist import format_cpulist
 
 __all__ = [
     "adamw_step",
@@ -105,8 +106,7 @@ def set_num_threads(n: int) -> None:
     Raises ValueError unless ``1 <= n <=`` the number of CPUs in the affinity mask: the
     kernels are memory-bound, and more threads than CPUs only adds contention.
     """
-    if isinstance(n, bool) or not isinstance(n, int) or n < 1:
-        raise ValueError(f"n must be a positive int, got {n!r}")
+    check_int("n", n, low=1)
     allowed = _allowed_cpus()
     if n > len(allowed):
         raise ValueError(f"n={n} is more than the {len(allowed)} CPUs this process may use "
@@ -127,8 +127,7 @@ def pin_threads(cpus: Optional[Sequence[int]]) -> None:
     cpus = [] if cpus is None else list(cpus)
     allowed = _allowed_cpus()
     for i, c in enumerate(cpus):
-        if isinstance(c, bool) or not isinstance(c, int) or c < 0:
-            raise ValueError(f"cpus[{i}] must be a non-negative int, got {c!r}")
+        check_int(f"cpus[{i}]", c, low=0)
         if c not in allowed:
             raise ValueError(f"cpus[{i}]={c} is not a CPU this process may use "
                              f"(affinity mask {format_cpulist(allowed)})")

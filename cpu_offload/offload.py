@@ -8,21 +8,32 @@
 
 from __future__ import annotations
 
+import inspect
+
 import torch
 
-from cpu_offload.full_offload import FullCPUOffloadOptimizer
-from cpu_offload.state_offload import StateOffloadOptimizer
+from cpu_offload._common.checks import check_int
+from cpu_offload._full.optimizer import FullCPUOffloadOptimizer
+from cpu_offload._state.optimizer import StateOffloadOptimizer
 
 __all__ = ["offload_optimizer", "OFFLOAD_MODES"]
 
 OFFLOAD_MODES = ("optimizer", "full", "none")
 
-# Keyword options each mode accepts (beyond grad_accum_steps, accepted by all).
+
+
+def _keyword_options(cls) -> tuple:
+    """The keyword-only options of a wrapper's constructor, beyond grad_accum_steps."""
+    params = inspect.signature(cls.__init__).parameters.values()
+    return tuple(p.name for p in params if p.kind is p.KEYWORD_ONLY and p.name != "grad_accum_steps")
+
+
+# Keyword options each mode accepts (beyond grad_accum_steps, accepted by all), read from the
+# constructors so that the two lists cannot drift apart.
 _OPTIONS = {
     "none": (),
-    "optimizer": ("pin_memory", "prefetch_bytes"),
-    "full": ("compute_dtype", "state_dtype", "keep_fp32", "pinned_bytes", "num_slots", "timeout_s", "sysfs_root",
-             "max_grad_norm", "skip_nonfinite", "grad_copy"),
+    "optimizer": _keyword_options(StateOffloadOptimizer),
+    "full": _keyword_options(FullCPUOffloadOptimizer),
 }
 # Keywords people write for the mode itself.
 _MODE_WORDS = ("mode", "offload_mode", "offload_type", "kind", "type", "strategy")
@@ -68,13 +79,12 @@ def offload_optimizer(optimizer: torch.optim.Optimizer, offload: str = "optimize
     if not isinstance(optimizer, torch.optim.Optimizer):
         raise TypeError(f"optimizer must be a torch.optim.Optimizer, got {type(optimizer).__name__}")
     grad_accum_steps = options.pop("grad_accum_steps", None)
-    if grad_accum_steps is not None and (isinstance(grad_accum_steps, bool) or not isinstance(grad_accum_steps, int)
-                                         or grad_accum_steps < 1):
-        raise ValueError(f"grad_accum_steps must be an int >= 1, got {grad_accum_steps!r}")
     if set(options) - set(_OPTIONS[offload]):
         raise TypeError(_unknown_keywords(offload, options))
     if offload == "none":
+        check_int("grad_accum_steps", grad_accum_steps, low=1, none="")  # the wrappers check their own
         return optimizer
     if offload == "optimizer":
         return StateOffloadOptimizer(optimizer, grad_accum_steps=grad_accum_steps, **options)
-    return FullCPUOffloadOptimizer(optimizer, grad_accum_steps=grad_accum_steps or 1, **options)
+    return FullCPUOffloadOptimizer(optimizer, grad_accum_steps=1 if grad_accum_steps is None else grad_accum_steps,
+                                   **options)

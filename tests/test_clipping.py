@@ -10,7 +10,7 @@ import pytest
 import torch
 import torch.nn as nn
 
-from cpu_offload.full_offload import FullCPUOffloadOptimizer
+from cpu_offload._full.optimizer import FullCPUOffloadOptimizer
 from test_full_offload import SMALL, batches, build, capture
 
 STEPS = 20

@@ -9,8 +9,8 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-import cpu_offload.chunk_runner as runner_mod
-from cpu_offload.full_offload import FullCPUOffloadOptimizer
+import cpu_offload._full.chunk_runner as runner_mod
+from cpu_offload._full.optimizer import FullCPUOffloadOptimizer
 from cpu_offload.optim import SignSGD
 from cpu_offload.reference import adamw_reference_, sign_sgd_reference_
 
@@ -257,7 +257,7 @@ def test_constructor_errors(monkeypatch):
         FullCPUOffloadOptimizer(torch.optim.AdamW(model.parameters()), grad_accum_steps=0)
     with pytest.raises(ValueError, match="compute_dtype"):
         FullCPUOffloadOptimizer(torch.optim.AdamW(model.parameters()), compute_dtype=torch.float16)
-    import cpu_offload.host_state as hs
+    import cpu_offload._full.host_state as hs
 
     class Tiny:
         available = 1000

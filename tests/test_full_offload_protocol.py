@@ -13,7 +13,7 @@ import torch
 import torch.nn as nn
 import torch.utils.checkpoint as cp
 
-from cpu_offload.full_offload import FullCPUOffloadOptimizer, Phase
+from cpu_offload._full.optimizer import FullCPUOffloadOptimizer, Phase
 
 SMALL = dict(pinned_bytes=4 * 4096, num_slots=2)
 HP = dict(lr=1e-2, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1)
@@ -338,7 +338,7 @@ def test_worker_error_surfaces_once_then_training_continues():
 
 
 def test_injected_kernel_failure_surfaces_once(monkeypatch):
-    import cpu_offload.chunk_runner as runner
+    import cpu_offload._full.chunk_runner as runner
     h = Harness()
     real = runner.kernels.adamw_step
     monkeypatch.setattr(runner.kernels, "adamw_step", lambda *a, **k: (_ for _ in ()).throw(OSError("disk on fire")))
@@ -355,7 +355,7 @@ def test_injected_kernel_failure_surfaces_once(monkeypatch):
 
 def test_close_frees_rings_and_failed_construction_leaves_model_unchanged(monkeypatch):
     import gc
-    import cpu_offload.full_offload as fo
+    import cpu_offload._full.optimizer as fo
 
     def ring_tensors(ptrs):
         gc.collect()

@@ -8,7 +8,7 @@ import time
 import pytest
 import torch
 
-from cpu_offload.copy_chain import SLICE_BYTES, CopyChain
+from cpu_offload._state.copy_chain import SLICE_BYTES, CopyChain
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
 

@@ -21,7 +21,7 @@ import torch
 import torch.nn as nn
 
 from cpu_offload import StateOffloadOptimizer
-from cpu_offload.dtensor import local_of
+from cpu_offload._common.dtensor import local_of
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
 

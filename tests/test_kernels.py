@@ -385,7 +385,7 @@ def test_threads_and_pinning_settings():
     allowed = sorted(os.sched_getaffinity(0))
     outside = next(c for c in range(1024) if c not in allowed)
     pinned = kernels.get_pinned_cpus()   # (an earlier test may have bound the process)
-    with pytest.raises(ValueError, match=r"n must be a positive int"):
+    with pytest.raises(ValueError, match=r"n must be an int >= 1"):
         kernels.set_num_threads(0)
     with pytest.raises(ValueError, match=rf"n={len(allowed) + 1} is more than the {len(allowed)} CPUs"):
         kernels.set_num_threads(len(allowed) + 1)

@@ -8,7 +8,7 @@ import pytest
 import torch
 import torch.nn as nn
 
-from cpu_offload.full_offload import FullCPUOffloadOptimizer
+from cpu_offload._full.optimizer import FullCPUOffloadOptimizer
 
 SMALL = dict(pinned_bytes=1 << 15, num_slots=2)
 

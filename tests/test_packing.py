@@ -5,7 +5,7 @@ import random
 
 import pytest
 
-from cpu_offload.packing import ALIGN_BYTES, Placement, align_up, place
+from cpu_offload._full.packing import ALIGN_BYTES, Placement, align_up, place
 
 
 def replay(sizes, esize, cap):

@@ -8,8 +8,8 @@ import pytest
 import torch
 
 import cpu_offload
-from cpu_offload.full_offload import FullCPUOffloadOptimizer
-from cpu_offload.host_state import host_bytes_needed
+from cpu_offload._full.optimizer import FullCPUOffloadOptimizer
+from cpu_offload._full.host_state import host_bytes_needed
 from test_full_offload import SMALL, batches, build, expected, named, run
 
 BF16 = dict(SMALL, state_dtype=torch.bfloat16)

@@ -7,8 +7,8 @@ import torch
 import torch.nn as nn
 
 from cpu_offload.optim import SignSGD
-from cpu_offload.state_copies import SyncStateCopies
-from cpu_offload.state_offload import StateOffloadOptimizer
+from cpu_offload._state.copies import SyncStateCopies
+from cpu_offload._state.optimizer import StateOffloadOptimizer
 
 
 def model_and_data(seed=0):

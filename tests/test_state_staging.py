@@ -13,8 +13,8 @@ import torch
 import torch.nn as nn
 
 from cpu_offload import StateOffloadOptimizer, offload_optimizer
-from cpu_offload.dtensor import local_of
-from cpu_offload.state_copies import SyncStateCopies
+from cpu_offload._common.dtensor import local_of
+from cpu_offload._state.copies import SyncStateCopies
 
 CPU = torch.device("cpu")
 

@@ -15,6 +15,7 @@ import pytest
 import torch
 
 from cpu_offload import topology
+from cpu_offload.topology import __main__ as topology_cli
 from cpu_offload.topology import BindingPlan, format_cpulist, parse_cpulist, plan_all, plan_for_rank
 
 REPO_ROOT = Path(topology.__file__).resolve().parents[1]
@@ -297,14 +298,14 @@ def test_cli_table_and_json(tmp_path, monkeypatch, capsys):
     root = make_sysfs(tmp_path, {0: "0-7"}, {PCI[0]: -1, PCI[1]: -1})
     monkeypatch.setattr(topology, "gpu_pci_addresses", lambda: PCI[:2])
     monkeypatch.setattr(topology.os, "sched_getaffinity", lambda pid: set(range(8)))
-    assert topology.main(["--sysfs-root", root]) == 0
+    assert topology_cli.main(["--sysfs-root", root]) == 0
     out = capsys.readouterr().out.splitlines()
     assert out[1].split() == ["rank", "gpu", "pci", "address", "node", "cpus", "threads",
                               "python", "cpu"]
     assert out[2].split() == ["0", "0", PCI[0], "-", "0-3", "3", "3"]
     assert out[3].split() == ["1", "1", PCI[1], "-", "4-7", "3", "7"]
 
-    assert topology.main(["--sysfs-root", root, "--json"]) == 0
+    assert topology_cli.main(["--sysfs-root", root, "--json"]) == 0
     data = json.loads(capsys.readouterr().out)
     assert data["gpus_visible"] == 2 and data["note"] is None
     assert [p["cpus"] for p in data["plans"]] == [[0, 1, 2, 3], [4, 5, 6, 7]]
@@ -315,11 +316,11 @@ def test_cli_without_gpu_explains_and_budgets(monkeypatch, capsys):
     monkeypatch.setattr(topology, "gpu_pci_addresses", lambda: [])
     monkeypatch.setattr(topology.os, "sched_getaffinity", lambda pid: set(range(4)))
     monkeypatch.delenv("LOCAL_WORLD_SIZE", raising=False)
-    assert topology.main([]) == 0
+    assert topology_cli.main([]) == 0
     out = capsys.readouterr().out
     assert "no CUDA GPU is visible" in out
     assert out.splitlines()[-1].split() == ["0", "-", "-", "-", "0-3", "3", "3"]
-    assert topology.main(["--local-world-size", "5"]) == 1
+    assert topology_cli.main(["--local-world-size", "5"]) == 1
     assert "empty CPU set" in capsys.readouterr().err
 
 
@@ -333,7 +334,7 @@ def run_python(code, stderr=False):
 
 
 def test_cli_runs_on_this_host():
-    data = json.loads(run_python("from cpu_offload.topology import main; main(['--json'])"))
+    data = json.loads(run_python("from cpu_offload.topology.__main__ import main; main(['--json'])"))
     assert len(data["plans"]) == max(data["gpus_visible"], 1)
     if data["gpus_visible"] == 0:
         assert "no CUDA GPU is visible" in data["note"]

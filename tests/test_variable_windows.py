@@ -5,7 +5,7 @@
 import pytest
 import torch
 
-from cpu_offload.full_offload import FullCPUOffloadOptimizer
+from cpu_offload._full.optimizer import FullCPUOffloadOptimizer
 from test_clipping import fp32_reference, normwise
 from test_full_offload import SMALL, build, capture
 

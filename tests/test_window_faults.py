@@ -12,8 +12,9 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 import cpu_offload
-from cpu_offload import chunk_runner, step_validation
-from cpu_offload.full_offload import FullCPUOffloadOptimizer
+from cpu_offload._full import chunk_runner
+from cpu_offload._full import validation as step_validation
+from cpu_offload._full.optimizer import FullCPUOffloadOptimizer
 
 SMALL = dict(pinned_bytes=4 * 4096, num_slots=2)
 HP = dict(lr=1e-2, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1)
@@ -267,7 +268,7 @@ def test_bf16_moments_refuse_an_eps_the_rollback_cannot_honour():
 def rollback_error(eps, grad):
     """Max |p0 - rollback(step(p0))| / |u| over a first AdamW step with bf16 moments."""
     from cpu_offload import kernels
-    from cpu_offload.rollback import rollback_adamw_
+    from cpu_offload._full.rollback import rollback_adamw_
 
     hp = dict(lr=1e-2, beta1=0.9, beta2=0.95, eps=eps, weight_decay=0.0)
     p0 = torch.randn(grad.numel(), generator=torch.Generator().manual_seed(1))
@@ -282,7 +283,7 @@ def rollback_error(eps, grad):
 def test_bf16_moments_eps_bound_is_what_the_rollback_needs():
     """Gradients whose v = (1-b2)*g*g lies in bf16's subnormal range keep a few bits of v:
     below the bound the undone update is far off; at the bound within 2**-8 of it."""
-    from cpu_offload.full_offload_setup import _BF16_MIN_EPS_HAT
+    from cpu_offload._full.options import _BF16_MIN_EPS_HAT
 
     g = torch.rand(4096, generator=torch.Generator().manual_seed(0)).add_(0.5).mul_(5e-20)
     smallest = _BF16_MIN_EPS_HAT / (1 - 0.95) ** 0.5

@@ -3,7 +3,7 @@
 # of the "optimizer" mode).
 import random
 
-from cpu_offload.writeback_overlap import MARGIN, WritebackOverlap
+from cpu_offload._state.overlap import MARGIN, WritebackOverlap
 
 
 def test_nothing_overlaps_until_a_forward_and_a_copy_were_timed():

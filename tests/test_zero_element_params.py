@@ -10,7 +10,7 @@ import pytest
 import torch
 import torch.nn as nn
 
-from cpu_offload.full_offload import FullCPUOffloadOptimizer
+from cpu_offload._full.optimizer import FullCPUOffloadOptimizer
 
 SMALL = dict(pinned_bytes=4 * 4096, num_slots=2)
 HP = dict(lr=1e-2, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1)

@@ -7,33 +7,14 @@
 # during backward, the native kernels step each chunk as soon as its last
 # gradient landed, and the new compute copy goes back during the same backward.
 #
-# The backward/step protocol is one state machine (``Phase``):
-#
-#   IDLE ──first gradient──► BACKWARD (pass j of a window of k)
-#   BACKWARD ──outermost backward ends, j < k-1──► ACCUMULATING (gradients summed on the host)
-#   BACKWARD ──outermost backward ends, j = k-1──► APPLIED (the tail is drained here:
-#                                                   every update of the window has landed)
-#   ACCUMULATING ──first gradient──► BACKWARD (pass j+1)
-#   ACCUMULATING ──step()──► IDLE (a short window: the optimizer runs on what was accumulated)
-#   ACCUMULATING ──zero_grad()──► IDLE (the window is discarded, like torch, with its factors)
-#   ACCUMULATING ──clip_grad_norm_()──► ACCUMULATING (drained first; the accumulators are
-#                                                   scaled in place, as torch scales .grad)
-#   APPLIED ──clip_grad_norm_() / scale_grads_()──► APPLIED (the window's factor changes;
-#                                                   applied at step() by a rollback and a redo)
-#   APPLIED ──step()──► IDLE;   APPLIED ──zero_grad()──► IDLE (the update stays applied; warned once)
-#   APPLIED ──load_state_dict()──► IDLE (the loaded state replaces the window's update)
-#   APPLIED ──first gradient──► error: step() or zero_grad() first (state unchanged)
-#   IDLE ──step()──► IDLE (nothing to do, as torch)
-#   BACKWARD ──backward raised──► ABORTED ──next hook or call──► IDLE: the parameters whose
-#       update ran count the step (as if the others got no gradient); the rest of the window is
-#       discarded with a warning
-#   any ──close()──► CLOSED
+# The backward/step protocol is one state machine: its phases and allowed transitions are
+# protocol.py's table; every phase change goes through ``ProtocolState.move``.
 #
 # A worker failure is raised once on the caller's thread; the window it hit is
 # closed as after an aborted backward, and the next window works again. When the
-# last backward ends, the speculative step is validated (step_validation.py):
+# last backward ends, the speculative step is validated (validation.py):
 # skipped on a non-finite gradient, redone when clipping changes its factor.
-# NOTE: a rollback or redo (and a load) is atomic against Ctrl-C (interrupts.py): the
+# NOTE: a rollback or redo (and a load) is atomic against Ctrl-C (_common/interrupts.py): the
 # KeyboardInterrupt is raised once the call's mutation is complete.
 #
 # Scope: construction (checks, binding, host state, pinned rings, hooks), the
@@ -43,8 +24,6 @@
 
 from __future__ import annotations
 
-import enum
-from dataclasses import dataclass, field
 import os
 import sys
 import time
@@ -54,59 +33,32 @@ from typing import Iterable, Optional
 
 import torch
 
-from cpu_offload import checkpoint, ownership
-from cpu_offload.backward_tracking import outside_backward, watch_backward
-from cpu_offload.host_state import (
+from cpu_offload._full import checkpoint
+from cpu_offload._full import ownership
+from cpu_offload._common.backward_end import outside_backward, watch_backward
+from cpu_offload._full.host_state import (
     adopt_external_weights, allocate_host_state, allocate_retained, cast_to_compute, check_fsdp_not_started, check_host_ram,
     collect_records, host_bytes_needed, note_versions, restore_dtypes,
 )
-from cpu_offload.dtensor import local_of
-from cpu_offload.dtype_hint import watch_first_forward
-from cpu_offload.interrupts import deferred_interrupts
-from cpu_offload.full_offload_setup import (
-    bind_for, check_clipping_options, check_optimizer, check_options, read_hparams, staging_slot_bytes,
+from cpu_offload._common.dtensor import local_of
+from cpu_offload._full.dtype_hint import watch_first_forward
+from cpu_offload._common.interrupts import deferred_interrupts
+from cpu_offload._full.options import (
+    check_clipping_options, check_optimizer, check_options, read_hparams, staging_slot_bytes,
 )
-from cpu_offload.pipeline import Pipeline
-from cpu_offload.state_mapping import StateMapping, for_device_placement
-from cpu_offload.step_validation import StepValidator
-from cpu_offload.transfer import HostRing, make_transfer
-from cpu_offload.window import finish_window, reset_window, salvage_window
-from cpu_offload.window_controls import WindowControls
-from cpu_offload.wrapping import adopt_optimizer, load_state_dict_with_hooks, state_dict_with_hooks
+from cpu_offload._full.binding import bind_for
+from cpu_offload._full.pipeline import Pipeline
+from cpu_offload._full.protocol import Phase, ProtocolState
+from cpu_offload._full.state_mapping import StateMapping, for_device_placement
+from cpu_offload._full.validation import StepValidator
+from cpu_offload._full.transfer import HostRing, make_transfer
+from cpu_offload._full.window import finish_window, reset_window, salvage_window
+from cpu_offload._full.controls import WindowControls
+from cpu_offload._common.wrapping import adopt_optimizer, load_state_dict_with_hooks, state_dict_with_hooks
 
-__all__ = ["FullCPUOffloadOptimizer", "Phase"]
+__all__ = ["FullCPUOffloadOptimizer"]
 
 _MIB = 1 << 20
-
-
-class Phase(enum.Enum):
-    IDLE = "idle"
-    BACKWARD = "in a backward pass"
-    ACCUMULATING = "in the middle of an accumulation window"
-    APPLIED = "after the window's last backward pass, before step()"
-    ABORTED = "after a backward pass that raised"
-    CLOSED = "closed"
-
-
-@dataclass(eq=False)
-class _Protocol:
-    """The protocol's mutable state, one object per optimizer.
-
-    NOTE: kept in one object that the wrapper references, never as attributes rebound on the
-    wrapper: a proxy holding a shallow copy of the wrapper's ``__dict__`` (Lightning's
-    LightningOptimizer) then drives the same state as the wrapper and its hooks.
-    """
-
-    phase: Phase = Phase.CLOSED
-    window: int = 1  # backward passes in the coming (or running) window: grad_accum_steps
-    micro: int = 0  # backward passes completed in the open window
-    final: bool = False  # the running backward is the window's last
-    gen: int = 0  # identifies the watched backward; stale signals carry an older one
-    died: int = -1  # generation of a backward that raised, until recovered
-    zero_fill: bool = False  # zero_grad(set_to_none=False): step grad-less parameters with zeros
-    warned_zero_grad: bool = False
-    blocked_s: float = 0.0
-    last_stats: dict = field(default_factory=dict)
 
 
 def _user_stacklevel() -> int:
@@ -190,7 +142,7 @@ class FullCPUOffloadOptimizer(WindowControls, torch.optim.Optimizer):
         skip_nonfinite: bool = True,
         grad_copy: str = "device",
     ) -> None:
-        self._proto = _Protocol()  # CLOSED until fully constructed
+        self._proto = ProtocolState()  # CLOSED until fully constructed
         self._algorithm = check_optimizer(optimizer)
         self._bf16_moments = state_dtype == torch.bfloat16
         check_options(algorithm=self._algorithm, grad_accum_steps=grad_accum_steps, compute_dtype=compute_dtype,
@@ -267,7 +219,7 @@ class FullCPUOffloadOptimizer(WindowControls, torch.optim.Optimizer):
         self._finalizer = weakref.finalize(self, _shutdown, records, self._pipeline, transfer)
         if any(dtype.itemsize > compute_dtype.itemsize for dtype in originals.values()):
             watch_first_forward(self, compute_dtype)  # explains the dtype error of fp32 inputs
-        self._proto.phase = Phase.IDLE
+        self._proto.move(Phase.IDLE)
 
     # ------------------------------------------------------------ backward
     @torch.no_grad()
@@ -325,7 +277,7 @@ class FullCPUOffloadOptimizer(WindowControls, torch.optim.Optimizer):
         # backward, and the next call recovers the window like any other abort.
         watch_backward(lambda: None if (w := ref()) is None else w._backward_ended(gen),
                        lambda: None if (w := ref()) is None else w._backward_died(gen))
-        self._proto.phase = Phase.BACKWARD
+        self._proto.move(Phase.BACKWARD)
         if new_window:
             self._check_frozen()
             adopt_external_weights(self._records)
@@ -343,7 +295,7 @@ class FullCPUOffloadOptimizer(WindowControls, torch.optim.Optimizer):
         self._pipeline.end_backward()
         if not self._proto.final:
             self._proto.micro += 1
-            self._proto.phase = Phase.ACCUMULATING
+            self._proto.move(Phase.ACCUMULATING)
             return
         self._complete_window()
 
@@ -355,12 +307,12 @@ class FullCPUOffloadOptimizer(WindowControls, torch.optim.Optimizer):
         """Recover from a backward that raised; raise a pending worker failure once."""
         proto = self._proto
         if proto.died == proto.gen or (proto.phase is Phase.BACKWARD and not in_backward and outside_backward()):
-            self._proto.phase = Phase.ABORTED
+            self._proto.move(Phase.ABORTED)
             self._recover()
         err = self._pipeline.take_error()
         if err is not None:
             if not in_backward and self._proto.phase in (Phase.ACCUMULATING, Phase.APPLIED):
-                self._proto.phase = Phase.ABORTED
+                self._proto.move(Phase.ABORTED)
                 self._recover(quiet=True)
             raise err
 
@@ -372,7 +324,7 @@ class FullCPUOffloadOptimizer(WindowControls, torch.optim.Optimizer):
             stepped, torn = salvage_window(self._records, self._pipeline, self._transfer)
         finally:
             self._close_window(abandoned=True)
-            self._proto.phase = Phase.IDLE
+            self._proto.move(Phase.IDLE)
         if torn:
             raise RuntimeError(f"parameters {torn} were only partly updated when the backward pass failed; "
                                "their masters no longer match a whole step: reload the last checkpoint")
@@ -396,7 +348,7 @@ class FullCPUOffloadOptimizer(WindowControls, torch.optim.Optimizer):
                                             zero_fill=self._proto.zero_fill))
         with deferred_interrupts():  # NOTE: a Ctrl-C during the validation lands after it, in APPLIED
             self._guarded(self._validator.after_final_pass)
-            self._proto.phase = Phase.APPLIED
+            self._proto.move(Phase.APPLIED)
 
     def _guarded(self, work) -> None:
         """Run ``work`` on an open window, counting its time as blocked; on a failure
@@ -405,8 +357,9 @@ class FullCPUOffloadOptimizer(WindowControls, torch.optim.Optimizer):
         try:
             work()
         except BaseException:
-            self._proto.phase = Phase.ABORTED
-            self._recover(quiet=True)
+            if self._proto.phase in (Phase.BACKWARD, Phase.ACCUMULATING, Phase.APPLIED):
+                self._proto.move(Phase.ABORTED)
+                self._recover(quiet=True)
             raise
         self._proto.blocked_s += time.perf_counter() - t0
 
@@ -462,7 +415,7 @@ class FullCPUOffloadOptimizer(WindowControls, torch.optim.Optimizer):
                      grad_norm=v.grad_norm, clip_coef=v.clip_coef, skipped=v.skipped)
         self._pipeline.stats.clear()
         self._close_window()
-        self._proto.phase = Phase.IDLE
+        self._proto.move(Phase.IDLE)
         self._proto.blocked_s = 0.0
         for key in ("d2h_bytes", "h2d_bytes", "chunks", "kernel_s", "accumulate_s"):
             stats.setdefault(key, 0)
@@ -494,7 +447,7 @@ class FullCPUOffloadOptimizer(WindowControls, torch.optim.Optimizer):
             warnings.warn("cpu_offload: zero_grad() without step() after a window's last backward pass: full "
                           "offload applied that update during backward; it stays applied and counts as a step",
                           RuntimeWarning, stacklevel=_user_stacklevel())
-        self._proto.phase = Phase.IDLE
+        self._proto.move(Phase.IDLE)
         self._proto.zero_fill = not set_to_none
         if set_to_none:
             for rec in self._records:
@@ -535,7 +488,7 @@ class FullCPUOffloadOptimizer(WindowControls, torch.optim.Optimizer):
             with deferred_interrupts():  # NOTE: as in step()
                 self._guarded(self._validator.apply)
                 self._close_window()
-                self._proto.phase = Phase.IDLE
+                self._proto.move(Phase.IDLE)
 
         def apply(sd: dict) -> None:
             with deferred_interrupts():  # NOTE: every parameter is loaded, or (on an error) none
@@ -593,7 +546,7 @@ class FullCPUOffloadOptimizer(WindowControls, torch.optim.Optimizer):
         """Remove the hooks, stop the worker and free the staging rings. Idempotent."""
         if self._proto.phase is Phase.CLOSED:
             return
-        self._proto.phase = Phase.CLOSED
+        self._proto.move(Phase.CLOSED)
         self._finalizer()
 
     def __repr__(self) -> str:

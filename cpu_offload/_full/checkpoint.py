@@ -14,9 +14,9 @@ from __future__ import annotations
 
 import torch
 
-from cpu_offload.dtensor import local_of
-from cpu_offload.host_state import ParamRecord
-from cpu_offload.state_mapping import HOST_STATE_KEPT, saved_entry
+from cpu_offload._common.dtensor import local_of
+from cpu_offload._full.host_state import ParamRecord
+from cpu_offload._full.state_mapping import HOST_STATE_KEPT, host_value, saved_entry, step_value
 
 __all__ = ["state_dict", "load_state_dict", "SPECULATION_KEY"]
 
@@ -52,27 +52,6 @@ def state_dict(opt, *, host_state: bool = True) -> dict:
         return {"state": {}, "param_groups": groups}
     state = {rec.index: dict(saved_entry(rec)) for rec in opt._records}
     return {"state": state, "param_groups": groups}
-
-
-def _host(value, where: str, rec: ParamRecord) -> torch.Tensor:
-    if not isinstance(value, torch.Tensor):
-        raise TypeError(f"{where} ({rec.name}) must be a tensor, got {type(value).__name__}")
-    local = local_of(value)
-    if tuple(local.shape) != tuple(rec.shape) and not (local.dim() == 1 and local.numel() == rec.numel):
-        raise ValueError(f"{where} ({rec.name}) has local shape {tuple(local.shape)}, expected {tuple(rec.shape)}")
-    if not local.is_floating_point():
-        raise TypeError(f"{where} ({rec.name}) has dtype {local.dtype}, expected a floating-point tensor")
-    return local.detach().reshape(-1)
-
-
-def _step(value, where: str, rec: ParamRecord) -> int:
-    try:
-        step = float(torch.as_tensor(value).item())
-    except (TypeError, ValueError, RuntimeError):
-        raise TypeError(f"{where} ({rec.name}) must be a number or a one-element tensor, got {value!r}") from None
-    if not (step >= 0 and step == int(step)):
-        raise ValueError(f"{where} ({rec.name}) must be a non-negative whole number, got {step}")
-    return int(step)
 
 
 def _validate_groups(opt, saved_groups) -> None:
@@ -116,10 +95,10 @@ def _validate(opt, sd: dict) -> list:
         tensors = {}
         for key in ("master",) + moments:
             if key in entry:
-                tensors[key] = _host(entry[key], f"{where}['{key}']", rec)
+                tensors[key] = host_value(entry[key], f"{where}['{key}']", rec)
             elif key != "master":
                 raise ValueError(f"{where} ({rec.name}) has no '{key}'")
-        plan.append((rec, _step(entry["step"], f"{where}['step']", rec), tensors))
+        plan.append((rec, step_value(entry["step"], f"{where}['step']", rec), tensors))
     return plan
 
 

@@ -1,9 +1,8 @@
-# What full offload reads from the wrapped optimizer, and the one-time binding
-# of the process's CPU work to the device's NUMA node.
+# What full offload reads from the wrapped optimizer and its own options.
 #
 # Scope: which optimizers it can run, their hyper-parameters (validated on the
-# caller's thread), the binding. Non-goals: host state (host_state.py), the
-# protocol (full_offload.py).
+# caller's thread), the option checks, the staging slot size. Non-goals: host state
+# (host_state.py), the protocol (protocol.py), the CPU binding (binding.py).
 
 from __future__ import annotations
 
@@ -12,13 +11,13 @@ from typing import Optional
 
 import torch
 
+from cpu_offload._common.checks import check_int
 from cpu_offload.optim import SignSGD
-from cpu_offload.packing import align_up
+from cpu_offload._full.packing import align_up
 
-__all__ = ["check_optimizer", "check_options", "staging_slot_bytes", "read_hparams", "bind_for"]
+__all__ = ["check_optimizer", "check_options", "staging_slot_bytes", "read_hparams"]
 
 _UNSUPPORTED_ADAMW = ("amsgrad", "maximize", "capturable", "differentiable")
-_BOUND_PLAN = None
 
 
 def check_optimizer(optimizer) -> str:
@@ -44,8 +43,7 @@ def check_optimizer(optimizer) -> str:
 
 def check_options(*, algorithm: str, grad_accum_steps, compute_dtype, state_dtype, num_slots, pinned_bytes,
                   timeout_s) -> None:
-    if isinstance(grad_accum_steps, bool) or not isinstance(grad_accum_steps, int) or grad_accum_steps < 1:
-        raise ValueError(f"grad_accum_steps must be an int >= 1, got {grad_accum_steps!r}")
+    check_int("grad_accum_steps", grad_accum_steps, low=1)
     if compute_dtype not in (torch.bfloat16, torch.float32):
         raise ValueError(f"compute_dtype must be torch.bfloat16 or torch.float32, got {compute_dtype}")
     if state_dtype not in (torch.float32, torch.bfloat16):
@@ -53,11 +51,8 @@ def check_options(*, algorithm: str, grad_accum_steps, compute_dtype, state_dtyp
     if state_dtype == torch.bfloat16 and algorithm != "adamw":
         raise ValueError("state_dtype=torch.bfloat16 stores AdamW's moments in bf16; SignSGD keeps no moments, "
                          "so leave state_dtype at torch.float32 (the default)")
-    if isinstance(num_slots, bool) or not isinstance(num_slots, int) or num_slots < 1:
-        raise ValueError(f"num_slots must be an int >= 1, got {num_slots!r}")
-    if isinstance(pinned_bytes, bool) or not isinstance(pinned_bytes, int) or pinned_bytes < 2 * num_slots * 4096:
-        raise ValueError(f"pinned_bytes must be an int >= {2 * num_slots * 4096} (num_slots={num_slots}), "
-                         f"got {pinned_bytes!r}")
+    check_int("num_slots", num_slots, low=1)
+    check_int("pinned_bytes", pinned_bytes, low=2 * num_slots * 4096, detail=f" (num_slots={num_slots})")
     if isinstance(timeout_s, bool) or not isinstance(timeout_s, (int, float)) or not timeout_s > 0:
         raise ValueError(f"timeout_s must be a number > 0, got {timeout_s!r}")
 
@@ -116,27 +111,3 @@ def read_hparams(param_groups, algorithm: str, *, bf16_moments: bool = False) ->
                 f"eps >= {least:.3g} for beta2={values['beta2']:g}; use a larger eps or state_dtype=torch.float32")
         snap.append(values)
     return snap
-
-
-def bind_for(device: torch.device, sysfs_root: str) -> "Optional[object]":
-    """Apply the topology binding once per process (the plan must be computed
-    before the first bind narrows the affinity, so it is cached)."""
-    # NOTE: imported here, not at the top, so `python -m cpu_offload.topology` runs a module
-    # that importing the package has not already loaded.
-    from cpu_offload import topology
-
-    global _BOUND_PLAN
-    if _BOUND_PLAN is None:
-        if device.type == "cuda":
-            local_rank, local_world = topology.local_rank_info()
-            if local_world == 1:  # not under torchrun: bind to the device actually used
-                pci = topology.gpu_pci_addresses()[device.index]
-                plan = topology.plan_for_rank(0, local_world_size=1, pci_addresses=[pci],
-                                              sysfs_root=sysfs_root, require_topology=True)
-            else:
-                plan = topology.plan_for_rank(sysfs_root=sysfs_root, require_topology=True)
-        else:  # CPU parameters: no GPU to bind to, only the thread budget
-            plan = topology.plan_for_rank(pci_addresses=[], sysfs_root=sysfs_root)
-        topology.bind(plan)
-        _BOUND_PLAN = plan
-    return _BOUND_PLAN

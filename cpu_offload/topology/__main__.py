@@ -68,3 +68,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     for row in table:
         print("  ".join(cell.ljust(w) for cell, w in zip(row, widths)).rstrip())
     return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

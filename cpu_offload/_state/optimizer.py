@@ -16,8 +16,9 @@ from __future__ import annotations
 
 import torch
 
-from cpu_offload.state_staging import StateStaging
-from cpu_offload.wrapping import adopt_optimizer, load_state_dict_with_hooks, state_dict_with_hooks
+from cpu_offload._common.checks import check_int
+from cpu_offload._state.staging import StateStaging
+from cpu_offload._common.wrapping import adopt_optimizer, load_state_dict_with_hooks, state_dict_with_hooks
 
 __all__ = ["StateOffloadOptimizer"]
 
@@ -58,12 +59,8 @@ class StateOffloadOptimizer(torch.optim.Optimizer):
             raise ValueError("pin_memory=True needs CUDA (pinned host memory is allocated through the CUDA driver) "
                              "and torch.cuda.is_available() is False: leave pin_memory unset (it pins only when "
                              "CUDA is available) or pass pin_memory=False")
-        if prefetch_bytes is not None and (isinstance(prefetch_bytes, bool) or not isinstance(prefetch_bytes, int)
-                                           or prefetch_bytes < 0):
-            raise ValueError(f"prefetch_bytes must be None (no cap) or an int >= 0, got {prefetch_bytes!r}")
-        if grad_accum_steps is not None and (isinstance(grad_accum_steps, bool) or not isinstance(grad_accum_steps, int)
-                                             or grad_accum_steps < 1):
-            raise ValueError(f"grad_accum_steps must be None or an int >= 1, got {grad_accum_steps!r}")
+        check_int("prefetch_bytes", prefetch_bytes, low=0, none="no cap")
+        check_int("grad_accum_steps", grad_accum_steps, low=1, none="")
         adopt_optimizer(self, optimizer)
         self.pin_memory = torch.cuda.is_available() if pin_memory is None else pin_memory
         # NOTE: every mutable thing lives inside this one object, never in a

@@ -16,7 +16,7 @@ from typing import Any, Optional
 
 import torch
 
-from cpu_offload.copy_chain import CopyChain
+from cpu_offload._state.copy_chain import CopyChain
 
 __all__ = ["CudaStateCopies", "SyncStateCopies", "make_state_copies"]
 

@@ -20,10 +20,10 @@ from typing import Any, Optional
 
 import torch
 
-from cpu_offload.chunk_runner import ChunkRunner
-from cpu_offload.host_state import ParamRecord
-from cpu_offload.packing import Placement, align_up, place
-from cpu_offload.transfer import HostRing, Slot, wait_until
+from cpu_offload._full.chunk_runner import ChunkRunner
+from cpu_offload._full.host_state import ParamRecord
+from cpu_offload._full.packing import Placement, align_up, place
+from cpu_offload._full.transfer import HostRing, Slot, wait_until
 
 __all__ = ["Pipeline", "Piece", "Chunk"]
 

@@ -16,7 +16,7 @@ from typing import Iterable, Optional
 import psutil
 import torch
 
-from cpu_offload.dtensor import is_dtensor, local_of
+from cpu_offload._common.dtensor import is_dtensor, local_of
 
 __all__ = [
     "ParamRecord", "HostBuffers", "collect_records", "check_fsdp_not_started", "host_bytes_needed",

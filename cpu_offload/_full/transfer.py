@@ -16,7 +16,7 @@ from typing import Any, Callable, Optional
 
 import torch
 
-from cpu_offload.packing import ALIGN_BYTES, align_up
+from cpu_offload._full.packing import ALIGN_BYTES, align_up
 
 __all__ = ["HostRing", "Slot", "CudaTransfer", "SyncTransfer", "make_transfer", "wait_until"]
 

@@ -16,7 +16,9 @@ import math
 
 import torch
 
-from cpu_offload.grad_norms import check_norm_type
+from cpu_offload._common.checks import check_int
+from cpu_offload._full.grad_norms import check_norm_type
+from cpu_offload._full.protocol import Phase
 
 __all__ = ["WindowControls"]
 
@@ -38,10 +40,7 @@ class WindowControls:
 
     @grad_accum_steps.setter
     def grad_accum_steps(self, value: int) -> None:
-        from cpu_offload.full_offload import Phase
-
-        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-            raise ValueError(f"grad_accum_steps must be an int >= 1, got {value!r}")
+        check_int("grad_accum_steps", value, low=1)
         self._enter()
         phase = self._proto.phase
         if value > 1 and not self._accumulate:
@@ -66,8 +65,6 @@ class WindowControls:
         multiply; clipping afterwards sees the scaled norm. ``zero_grad()`` drops the
         factors of a window that it abandons, as it drops torch's scaled gradients.
         """
-        from cpu_offload.full_offload import Phase
-
         try:
             factor = float(factor)
         except (TypeError, ValueError):
@@ -95,8 +92,6 @@ class WindowControls:
         ``min(1, max_norm / (total + 1e-6))`` to all of them. ``foreach`` is
         accepted for torch's signature and ignored.
         """
-        from cpu_offload.full_offload import Phase
-
         try:
             max_norm = float(max_norm)
         except (TypeError, ValueError):

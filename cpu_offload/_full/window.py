@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import torch
 
-from cpu_offload.host_state import note_versions
+from cpu_offload._full.host_state import note_versions
 
 __all__ = ["finish_window", "salvage_window", "reset_window"]
 

@@ -37,10 +37,10 @@ from typing import Callable, Optional
 
 import torch
 
-from cpu_offload.grad_norms import clip_coefficient, total_norm
-from cpu_offload.host_state import note_versions
-from cpu_offload.interrupts import deferred_interrupts
-from cpu_offload.rollback import rollback_adamw_pieces_, rollback_sign_sgd_pieces_
+from cpu_offload._full.grad_norms import clip_coefficient, total_norm
+from cpu_offload._full.host_state import note_versions
+from cpu_offload._common.interrupts import deferred_interrupts
+from cpu_offload._full.rollback import rollback_adamw_pieces_, rollback_sign_sgd_pieces_
 
 __all__ = ["StepValidator"]
 

@@ -7,21 +7,22 @@
 # Non-goals: memory policy (host state is placed by first touch from the bound threads),
 # cross-host coordination, hot-plugged CPUs, and NUMA nodes without CPUs.
 #
-# Diagnostic: `python -m cpu_offload.topology [--json]` (topology_cli.py).
+# Diagnostic: `python -m cpu_offload.topology [--json]` (__main__.py).
 
 from __future__ import annotations
 
 __all__ = [
     "BindingPlan", "parse_cpulist", "format_cpulist", "local_rank_info", "gpu_pci_addresses",
-    "plan_all", "plan_for_rank", "bind", "main",
+    "plan_all", "plan_for_rank", "bind",
 ]
 
 import dataclasses
 import importlib
 import logging
 import os
-import sys
 from collections.abc import Iterable, Mapping, Sequence
+
+from cpu_offload._common.cpulist import format_cpulist, parse_cpulist
 
 logger = logging.getLogger(__name__)
 
@@ -67,38 +68,6 @@ class BindingPlan:
     def python_cpu(self) -> int | None:
         """The CPU left to the Python/driver thread, or None when it shares with workers."""
         return self.cpus[-1] if self.num_threads < len(self.cpus) else None
-
-
-# ---------------------------------------------------------------------------- cpulists
-
-
-def parse_cpulist(text: str) -> set[int]:
-    """Parse a kernel cpulist such as ``"0-15,32-47"`` or ``"3,5-6"`` ("" is empty)."""
-    cpus: set[int] = set()
-    for part in text.strip().split(","):
-        part = part.strip()
-        if not part:
-            continue
-        lo, sep, hi = part.partition("-")
-        try:
-            first, last = int(lo), int(hi) if sep else int(lo)
-        except ValueError:
-            raise ValueError(f"invalid cpulist {text!r}: bad entry {part!r}") from None
-        if first < 0 or last < first:
-            raise ValueError(f"invalid cpulist {text!r}: bad range {part!r}")
-        cpus.update(range(first, last + 1))
-    return cpus
-
-
-def format_cpulist(cpus: Iterable[int]) -> str:
-    """The inverse of :func:`parse_cpulist`: sorted, consecutive ids folded into ranges."""
-    runs: list[list[int]] = []
-    for cpu in sorted(set(cpus)):
-        if runs and cpu == runs[-1][1] + 1:
-            runs[-1][1] = cpu
-        else:
-            runs.append([cpu, cpu])
-    return ",".join(str(a) if a == b else f"{a}-{b}" for a, b in runs)
 
 
 # ---------------------------------------------------------------------------- discovery
@@ -397,17 +366,3 @@ def bind(plan: BindingPlan) -> None:
         "local rank %d bound to CPUs %s (NUMA node %s), %d worker threads",
         plan.local_rank, format_cpulist(plan.cpus), plan.numa_node, plan.num_threads,
     )
-
-
-# ---------------------------------------------------------------------------- CLI
-
-
-def main(argv: Sequence[str] | None = None) -> int:
-    """The diagnostic ``python -m cpu_offload.topology`` (see topology_cli.py)."""
-    from cpu_offload.topology_cli import main as cli_main
-
-    return cli_main(argv)
-
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -21,8 +21,8 @@ from typing import Any, Callable, Optional
 import torch
 
 from cpu_offload import kernels
-from cpu_offload.packing import align_up
-from cpu_offload.transfer import HostRing, Slot, wait_until
+from cpu_offload._full.packing import align_up
+from cpu_offload._full.transfer import HostRing, Slot, wait_until
 
 __all__ = ["ChunkRunner"]
 

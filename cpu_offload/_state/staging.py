@@ -25,10 +25,10 @@ import weakref
 
 import torch
 
-from cpu_offload.backward_tracking import watch_backward
-from cpu_offload.dtensor import as_dtensor_like, local_of
-from cpu_offload.state_copies import make_state_copies
-from cpu_offload.writeback_overlap import WritebackOverlap
+from cpu_offload._common.backward_end import watch_backward
+from cpu_offload._common.dtensor import as_dtensor_like, local_of
+from cpu_offload._state.copies import make_state_copies
+from cpu_offload._state.overlap import WritebackOverlap
 
 __all__ = ["StateStaging"]
 

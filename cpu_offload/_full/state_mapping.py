@@ -47,10 +47,11 @@ from typing import Callable
 
 import torch
 
-from cpu_offload.dtensor import as_dtensor_like
-from cpu_offload.host_state import ParamRecord, note_versions
+from cpu_offload._common.dtensor import as_dtensor_like, local_of
+from cpu_offload._full.host_state import ParamRecord, note_versions
 
-__all__ = ["SavedEntry", "StateEntry", "StateMapping", "HOST_STATE_KEPT", "for_device_placement"]
+__all__ = ["SavedEntry", "StateEntry", "StateMapping", "HOST_STATE_KEPT", "for_device_placement", "host_value",
+           "step_value"]
 
 # Param-group key of a state_dict that holds no state because the state stayed on the host.
 HOST_STATE_KEPT = "host_state_kept"
@@ -72,6 +73,30 @@ def for_device_placement() -> bool:
             and frame.f_globals.get("__name__") == "accelerate.optimizer")
 
 _HOST_KEYS = ("master", "exp_avg", "exp_avg_sq")
+
+
+def host_value(value, where: str, rec: ParamRecord) -> torch.Tensor:
+    """A loaded or assigned state tensor as a flat view of its local values, checked."""
+    if not isinstance(value, torch.Tensor):
+        raise TypeError(f"{where} ({rec.name}) must be a tensor, got {type(value).__name__}")
+    local = local_of(value)
+    if tuple(local.shape) != tuple(rec.shape) and not (local.dim() == 1 and local.numel() == rec.numel):
+        raise ValueError(f"{where} ({rec.name}) has local shape {tuple(local.shape)}, expected {tuple(rec.shape)}")
+    if not local.is_floating_point():
+        raise TypeError(f"{where} ({rec.name}) has dtype {local.dtype}, expected a floating-point tensor")
+    return local.detach().reshape(-1)
+
+
+def step_value(value, where: str, rec: ParamRecord) -> int:
+    """A loaded or assigned step count, checked: a non-negative whole number."""
+    try:
+        step = float(torch.as_tensor(value).item())
+    except (TypeError, ValueError, RuntimeError):
+        raise TypeError(f"{where} ({rec.name}) must be a number or a one-element tensor, got {value!r}") from None
+    if not (step >= 0 and step == int(step)):
+        raise ValueError(f"{where} ({rec.name}) must be a non-negative whole number, got {step}")
+    return int(step)
+
 
 
 class SavedEntry(Mapping):
@@ -142,8 +167,6 @@ class StateEntry:
         return view
 
     def __setitem__(self, key, value) -> None:
-        from cpu_offload.checkpoint import _host, _step  # the checkpoint's own argument checks
-
         rec = self._rec
         where = f"opt.state[{rec.name}][{key!r}]"
         if key not in self._keys:
@@ -151,9 +174,9 @@ class StateEntry:
         self._guard(f"assigning {where}")
         with torch.no_grad():
             if key == "step":
-                rec.step = _step(value, where, rec)
+                rec.step = step_value(value, where, rec)
                 return
-            src, flat = _host(value, where, rec), getattr(rec, key)
+            src, flat = host_value(value, where, rec), getattr(rec, key)
             if src.data_ptr() != flat.data_ptr() or src.device != flat.device:
                 flat.copy_(src)
             if key == "master":  # NOTE: the compute copy is always round(master)
