@@ -16,6 +16,9 @@ Public surface (everything else in the package is internal and may change):
 import importlib.util as _util
 import os as _os
 
+# NOTE: the same as [project] version in pyproject.toml (tests/test_package.py checks it).
+__version__ = "0.1.0"
+
 
 def _missing_native_module() -> str:
     """The message for a package directory that has no built cpu_offload._C."""

@@ -30,6 +30,9 @@ def test_bench_runs_every_isa_and_configuration(tmp_path, capsys):
     out = capsys.readouterr().out
     assert "x torch fused" in out and "adamw bf16 grads->bf16" in out
     assert "x fp32 states" in out and "adamw bf16 states->bf16" in out
+    last = out.strip().splitlines()[-1]  # the verdict closes the output
+    assert last.startswith("verdict: kernels bit-exact against the reference: yes")
+    assert f"{kernels.isa()} (the ISA dispatch picks)" in last and "% of the measured memory bandwidth" in last
 
 
 def test_reference_check_catches_a_wrong_kernel(monkeypatch):

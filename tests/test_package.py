@@ -64,3 +64,16 @@ def test_installed_package_without_native_module_says_reinstall(tmp_path):
     _copy_package(tmp_path, source_tree=False)
     line = _import_error(tmp_path)
     assert "installation is incomplete" in line and "reinstall" in line
+
+
+def test_version_matches_the_package_metadata():
+    import importlib.metadata
+
+    assert cpu_offload.__version__ == importlib.metadata.version("cpu_offload")
+
+
+def test_package_metadata_files():
+    root = Path(__file__).resolve().parents[1]
+    assert (Path(cpu_offload.__file__).parent / "py.typed").exists()  # PEP 561: the package is typed
+    assert (root / "LICENSE").read_text().startswith("Copyright 2026 The cpu_offload authors")
+    assert 'license = "Apache-2.0"' in (root / "pyproject.toml").read_text()
