@@ -393,7 +393,7 @@ def adamw_inverse_step(params, grads, exp_avgs, exp_avg_sqs, steps, *, lr, beta1
     With u = nss*m1/(sqrt(v1) + eps_hat), the forward's update from its own constants:
     p0 = (p1 - u)/decay, m0 = (m1 - (1-b1)*g)/b1, v0 = max((v1 - (1-b2)*g*g)/b2, 0); the
     division by decay is skipped when decay == 0, and a moment whose beta is 0 comes back 0.
-    Exact to float32 rounding only: the error model is in cpu_offload/rollback.py.
+    Exact to float32 rounding only: the error model is in cpu_offload/_full/rollback.py.
 
     Args:
         params, grads, exp_avgs, exp_avg_sqs: as ``adamw_step``, after the step to undo.

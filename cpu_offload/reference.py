@@ -72,7 +72,7 @@ def sign_sgd_reference_(param, grad, *, lr, weight_decay):
 
 def adamw_inverse_reference_(param, grad, exp_avg, exp_avg_sq, step, *, lr, beta1, beta2, eps,
                              weight_decay, grad_scale=1.0):
-    """Undoes one ``adamw_reference_`` step in place (cpu_offload/rollback.py: the error model).
+    """Undoes one ``adamw_reference_`` step in place (cpu_offload/_full/rollback.py: the error model).
 
     ``step`` is the count that step used (1 for the first). The update u is recomputed with the
     forward's float32 constants; a division by a float32 decay of 0 is skipped, and a moment

@@ -43,7 +43,7 @@ struct KernelTable {
   void (*sign_sgd)(const SignSGDScalars& s, float* param, const void* grad, DType grad_dtype,
                    void* out, OutKind out_kind, int64_t n);
   // Undo one adamw / sign_sgd step in place, from the state after it and its gradient
-  // (the error model: cpu_offload/rollback.py's header).
+  // (the error model: cpu_offload/_full/rollback.py's header).
   void (*adamw_inverse)(const AdamWScalars& s, float* param, const void* grad, DType grad_dtype,
                         void* exp_avg, void* exp_avg_sq, DType moment_dtype, int64_t n);
   void (*sign_sgd_inverse)(const SignSGDScalars& s, float* param, const void* grad, DType grad_dtype, int64_t n);

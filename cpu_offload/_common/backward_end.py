@@ -11,7 +11,7 @@
 # object released without having been called means that backward died.
 #
 # Scope: the signal only. Non-goals: what the owner does with it
-# (full_offload.py).
+# (optimizer.py).
 
 from __future__ import annotations
 

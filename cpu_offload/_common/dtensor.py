@@ -25,7 +25,7 @@ def local_of(t: torch.Tensor) -> torch.Tensor:
 
     NOTE: the object itself, not ``to_local()``: that returns an autograd view when grad
     is enabled and a new view for a DTensor Parameter, while host buffers are recognised
-    by identity (state_offload.py) and must be written in place.
+    by identity (_state/optimizer.py) and must be written in place.
     """
     return t._local_tensor if is_dtensor(t) else t
 

@@ -4,7 +4,7 @@
 # With norm tracking on, each optimizer chunk's gradient norms are read (or, for
 # host accumulators, computed) before it is stepped: a non-finite gradient
 # stops the window's remaining steps (so a NaN loss changes nothing), and every
-# stepped piece is recorded for a later rollback (step_validation.py).
+# stepped piece is recorded for a later rollback (validation.py).
 #
 # Scope: per-chunk work on the worker thread, the cached tensor lists the
 # kernels see. Non-goals: forming chunks, the queue and the thread
@@ -156,7 +156,7 @@ class ChunkRunner:
         NOTE: the speculative step squares each gradient times its factor in float32; once
         (factor*|g|)**2 could overflow, v becomes Inf and no rollback recovers the old v
         (Inf - Inf), whereas a late small factor (scale_grads_, clipping) would have kept the
-        step finite, as in torch. Such chunks are not stepped; step_validation redoes them
+        step finite, as in torch. Such chunks are not stepped; validation redoes them
         with the final factor. |g_i| <= the 2-norm of the piece's parameter (or accumulator
         so far), so the test is conservative."""
         if not (chunk.speculative and self.track_norms and self.algorithm == "adamw"):

@@ -5,10 +5,10 @@
 #
 # A factor known before the window's last backward starts is free: the kernels
 # apply it as they step. One given after it (the update already ran during
-# backward) is applied at ``step()`` by a rollback and a redo (step_validation.py).
+# backward) is applied at ``step()`` by a rollback and a redo (validation.py).
 #
 # Scope: these three public controls and their argument checks. Non-goals: the
-# protocol (full_offload.py), the norm and redo mechanics (step_validation.py).
+# protocol (optimizer.py), the norm and redo mechanics (validation.py).
 
 from __future__ import annotations
 

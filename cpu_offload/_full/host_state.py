@@ -3,7 +3,7 @@
 # fp32 or bf16), the host RAM check, and the in-place cast of the model's
 # parameters to their compute dtype.
 #
-# Scope: construction-time bookkeeping shared by full_offload.py, pipeline.py
+# Scope: construction-time bookkeeping shared by optimizer.py, pipeline.py
 # and checkpoint.py.
 # Non-goals: anything that runs per step (pipeline.py), checkpoint formats
 # (checkpoint.py).

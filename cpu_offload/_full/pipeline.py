@@ -6,7 +6,7 @@
 # Scope: chunk formation (main thread, inside gradient hooks and at window
 # ends), the queue and the worker thread, slot ownership, error hand-over to
 # the caller's thread, draining, timeouts with a readable diagnostic.
-# Non-goals: the backward/step protocol (full_offload.py), the layout rule
+# Non-goals: the backward/step protocol (protocol.py, optimizer.py), the layout rule
 # (packing.py), what is done to a chunk (chunk_runner.py), copy mechanics
 # (transfer.py).
 

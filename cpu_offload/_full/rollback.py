@@ -33,7 +33,7 @@
 #
 # Scope: the inverse step over the stepped pieces, one native call per group of pieces
 # with the same hyper-parameters and dtypes, parallel over the kernel pool (kernels.py
-# checks the tensors). Non-goals: deciding when to roll back (step_validation.py), fetching
+# checks the tensors). Non-goals: deciding when to roll back (validation.py), fetching
 # the gradients.
 
 from __future__ import annotations

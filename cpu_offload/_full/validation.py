@@ -26,7 +26,7 @@
 #
 # Scope: the window's factor, its norms, skip / redo. Non-goals: the norms'
 # arithmetic (grad_norms.py), the inverse step (rollback.py), the protocol
-# (full_offload.py).
+# (optimizer.py).
 
 from __future__ import annotations
 

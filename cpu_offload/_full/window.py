@@ -4,7 +4,7 @@
 # per-window bookkeeping.
 #
 # Scope: the work on records, pipeline and transfer that ends a window.
-# Non-goals: deciding when a window ends (full_offload.py's state machine).
+# Non-goals: deciding when a window ends (protocol.py and optimizer.py).
 
 from __future__ import annotations
 

@@ -7,7 +7,7 @@
 # whole state tensors, make the compute stream wait for the copy-ins (and for
 # the copy-outs that must free memory before the next forward), tell when
 # copy-outs have landed. The orderings are written down where they are made.
-# Non-goals: deciding what to copy and when (state_staging.py); the staging
+# Non-goals: deciding what to copy and when (staging.py); the staging
 # rings of full offload (transfer.py).
 
 from __future__ import annotations

@@ -14,8 +14,8 @@
 #
 # Scope: one direction's copies of whole tensors, as slices; the stream waits
 # before a job, an event after it, the device tensors marked used by both
-# streams. Non-goals: what to copy and when (state_staging.py), allocation and
-# the compute stream's waits (state_copies.py).
+# streams. Non-goals: what to copy and when (staging.py), allocation and
+# the compute stream's waits (copies.py).
 
 from __future__ import annotations
 

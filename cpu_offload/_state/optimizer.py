@@ -10,7 +10,7 @@
 # Non-goals: running the optimizer on the CPU (that is offload="full"),
 # splitting one step into pieces to cap the device memory of the step itself.
 # The copies themselves, and their overlap with backward and the next forward,
-# are state_staging.py's (what and when) and state_copies.py's (streams, events).
+# are staging.py's (what and when) and copies.py's (streams, events).
 
 from __future__ import annotations
 

@@ -11,7 +11,7 @@
 # Scope: the measurements (the forward's time on the compute stream, from the
 # end of step() to the first gradient; the copy-out's bytes per second) and the
 # estimate made from them. Non-goals: issuing or ordering copies
-# (state_copies.py, copy_chain.py).
+# (copies.py, copy_chain.py).
 
 from __future__ import annotations
 

@@ -2,12 +2,12 @@
 # host buffers between steps; device copies prefetched during backward, as
 # gradients arrive (bounded by a byte cap); the rest copied in by step(); all of
 # it copied back out after the step, as much of it overlapped with the next
-# forward as that forward's memory allows (writeback_overlap.py).
+# forward as that forward's memory allows (overlap.py).
 #
 # Scope: the host buffers, the gradient hooks that prefetch, the per-step
 # bookkeeping (accumulation, arrival order, the cap) and the figures of stats().
-# Non-goals: the torch.optim.Optimizer surface (state_offload.py), streams and
-# events (state_copies.py, copy_chain.py), splitting the wrapped optimizer's step.
+# Non-goals: the torch.optim.Optimizer surface (_state/optimizer.py), streams and
+# events (copies.py, copy_chain.py), splitting the wrapped optimizer's step.
 #
 # The life of one state tensor (AdamW's exp_avg of one parameter), step n:
 #   host buffer ──(gradient hook of the window's last backward: copy-in on the

@@ -146,7 +146,7 @@ void sign_sgd_range(const SignSGDScalars& scalars, float* param, const void* gra
 // carries nothing of its old value). NOTE: exact only to float32 rounding: the masters come
 // back within about one ulp, the moments within a few ulps of the larger of their terms;
 // with bf16 moments u is recomputed from the rounded m1, v1 (off by up to about 2**-8 of
-// |u|). The full error model is the header of cpu_offload/rollback.py.
+// |u|). The full error model is the header of cpu_offload/_full/rollback.py.
 template <class V, DType G, DType M>
 inline void adamw_inverse_at(const AdamWScalars& s, float* param, const void* grad, void* exp_avg,
                              void* exp_avg_sq, int64_t i) {
