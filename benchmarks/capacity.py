@@ -213,7 +213,7 @@ def run_config(cfg: dict, *, timeout_s: float) -> dict:
         return dict(base, status=TIMED_OUT, error=f"timed out after {timeout_s:.0f} s")
     if run.returncode == -signal.SIGKILL:  # not ours: the kernel's out-of-memory killer, most likely
         return dict(base, status=NO_FIT, error="killed (SIGKILL): host out of memory, most likely")
-    last = next((l.strip() for l in reversed(tail) if l.strip()), "")
+    last = next((text.strip() for text in reversed(tail) if text.strip()), "")
     return dict(base, status=ERROR, error=f"exit code {run.returncode}: {last}"[:500])
 
 
@@ -262,7 +262,8 @@ def format_table(rows: list[dict]) -> str:
     lines = [head, "-" * len(head)]
     for r in rows:
         ok = r["status"] == OK
-        num = lambda key, fmt: format(r[key], fmt) if ok and r.get(key) is not None else "-"  # noqa: E731
+        def num(key, fmt, r=r, ok=ok):
+            return format(r[key], fmt) if ok and r.get(key) is not None else "-"
         lines.append(f"{r['mode']:<10} {r['config']:<7} {format_params(r['n_params']):>8} {r['status']:<13} "
                      f"{num('step_s', '.3f'):>8} {num('tokens_per_s', ',.0f'):>10} {num('peak_gpu_gib', '.2f'):>12} "
                      f"{num('peak_host_rss_gib', '.2f'):>12}  {'' if ok else (r.get('error') or '')[:90]}")

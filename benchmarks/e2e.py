@@ -181,7 +181,7 @@ def _subprocess_cmd(cfg: dict, nproc: int) -> list[str]:
 
 def _error_line(lines: list[str]) -> str:
     """The most telling line of a failed run's output: its last exception message."""
-    texts = [l.strip() for l in lines if l.strip()]
+    texts = [line.strip() for line in lines if line.strip()]
     for text in reversed(texts):
         head = text.split("]: ", 1)[-1]  # torchrun prefixes "[rank0]: "
         if head.split(":", 1)[0].endswith(("Error", "Exception")):

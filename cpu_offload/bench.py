@@ -298,9 +298,9 @@ def main(argv=None) -> int:
     total = len(isas) * len(CONFIGS)
     for i, (isa, config) in enumerate(((a, c) for a in isas for c in CONFIGS), 1):
         _progress(f"[{i}/{total}] {isa}: {config}")
-        fns = [torch_step, lambda: work.run(config)]
+        fns = [torch_step, lambda config=config: work.run(config)]
         if config in FP32_STATES_OF:
-            fns.append(lambda: work.run(FP32_STATES_OF[config]))
+            fns.append(lambda config=config: work.run(FP32_STATES_OF[config]))
         with kernels.use_isa(isa):
             torch_seconds, seconds, *fp32_states = _alternating_median_seconds(fns, args.repeats)
         rows.append(_row(config, isa, seconds, CONFIGS[config], args.numel, probe_gbs, torch_seconds,
@@ -309,7 +309,7 @@ def main(argv=None) -> int:
     cpu = platform.processor() or platform.machine()
     try:
         with open("/proc/cpuinfo") as f:
-            cpu = next(l.split(":", 1)[1].strip() for l in f if l.startswith("model name"))
+            cpu = next(line.split(":", 1)[1].strip() for line in f if line.startswith("model name"))
     except (OSError, StopIteration):
         pass
     meta = dict(cpu=cpu, threads=kernels.get_num_threads(), numel=args.numel, tensors=args.tensors,

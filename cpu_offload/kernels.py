@@ -239,7 +239,7 @@ def _prepared(kind: str, named_lists, dtypes_by_name):
         # NOTE: a tuple snapshot: the tensors stay alive while the kernel runs without the
         # GIL, whatever another thread does to the caller's list meanwhile.
         present.append((name, tensors if type(tensors) is tuple else tuple(tensors)))
-    lists = tuple(l for _, l in present)
+    lists = tuple(lst for _, lst in present)
     key = (kind, tuple(n for n, _ in present), _C.identity_key(lists=lists))
     with _cache_lock:
         entry = _cache.get(key)
@@ -262,7 +262,7 @@ def _prepared(kind: str, named_lists, dtypes_by_name):
     entry.batch = _C.TensorBatch(numels=numels, operands=operands)  # raises ValueError on overlap
     entry.codes = codes
     callback = _forget(key)
-    unique = {id(t): t for l in lists for t in l}.values()
+    unique = {id(t): t for lst in lists for t in lst}.values()
     entry.refs = [weakref.ref(t, callback) for t in unique]
     with _cache_lock:
         _cache[key] = entry

@@ -18,7 +18,7 @@ for offload in ("optimizer", "full", "none"):
     opt = cpu_offload.offload_optimizer(opt, offload=offload)  # "optimizer" (default) | "full" | "none"
     scheduler = torch.optim.lr_scheduler.LambdaLR(opt, lambda step: min(1.0, (step + 1) / 5))
     losses = []
-    for step in range(20):
+    for _step in range(20):
         x = torch.randn(64, 256, device=device)  # fp32 inputs
         with torch.no_grad():
             target = teacher(x)

@@ -115,7 +115,7 @@ def runs(tmp_path_factory):
     base = tmp_path_factory.mktemp("example_runs")
     dirs = {1: base / "w1", 2: base / "w2"}
     procs = {w: _launch(w, d) for w, d in dirs.items()}
-    for w, ps in procs.items():
+    for _w, ps in procs.items():
         for p in ps:
             try:
                 p.wait(timeout=DRIVER_TIMEOUT_S)

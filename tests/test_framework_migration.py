@@ -103,7 +103,7 @@ def test_plain_adamw_to_full_offload_and_back():
     try:
         off.load_state_dict(sd_plain)
         boundary.append(held_out_loss(m))
-        for p, w, (i, entry) in zip(m.parameters(), fp32, sd_plain["state"].items()):
+        for p, w, (_i, entry) in zip(m.parameters(), fp32, sd_plain["state"].items()):
             st = off.state[p]
             assert torch.equal(st["master"], w) and p.dtype == torch.bfloat16
             assert torch.equal(st["exp_avg"], entry["exp_avg"]) and int(st["step"]) == STEPS

@@ -189,7 +189,9 @@ def test_native_rollback_equals_the_torch_op_rollback_where_its_sqrt_is_correctl
     inverse uses the forward's correctly rounded sqrt, so its u has the forward's bits."""
     state = _state([200_003], torch.bfloat16, moment_dtype, seed=5, specials=False)
     old, new = _clone(state), _clone(state)
-    args = lambda s: (s["params"][0], s["grads"][0], s["exp_avgs"][0], s["exp_avg_sqs"][0], 3)
+    def args(s):
+        return s["params"][0], s["grads"][0], s["exp_avgs"][0], s["exp_avg_sqs"][0], 3
+
     _torch_op_rollback_adamw_(*args(old), **HYPER)
     rollback_adamw_(*args(new), **HYPER)
     v1 = state["exp_avg_sqs"][0].float()

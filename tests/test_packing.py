@@ -29,14 +29,14 @@ def test_random_layouts_cover_each_tensor_once_within_slots(seed):
     sizes = [rng.choice([0, 1, 7, 31, 64, 300, 1000, 5000]) for _ in range(rng.randint(1, 30))]
     layout = replay(sizes, esize, cap)
     ends = {}
-    for t, chunk, pl in layout:
+    for t, _chunk, pl in layout:
         assert pl.start == ends.get(t, 0) and (pl.numel > 0) == (sizes[t] > 0)  # in order, no gap, no overlap
         ends[t] = pl.start + pl.numel
         assert pl.offset % ALIGN_BYTES == 0 and pl.offset + pl.numel * esize <= cap
     assert all(ends.get(t, 0) == n for t, n in enumerate(sizes))
     assert all(sum(tt == t for tt, _, _ in layout) == 1 for t, n in enumerate(sizes) if n == 0)
     by_chunk = {}
-    for t, chunk, pl in layout:  # pieces of one chunk do not overlap
+    for _t, chunk, pl in layout:  # pieces of one chunk do not overlap
         spans = by_chunk.setdefault(chunk, [])
         assert all(pl.offset >= e or pl.offset + pl.numel * esize <= s for s, e in spans)
         spans.append((pl.offset, align_up(pl.offset + pl.numel * esize)))

@@ -129,7 +129,7 @@ def test_two_nodes_eight_gpus_four_ranks_per_node(tmp_path):
     assert [p.gpu for p in plans] == list(range(8))
     assert [p.pci_address for p in plans] == PCI
     assert [p.numa_node for p in plans] == [0] * 4 + [1] * 4
-    for node, group, node_cpus in ((0, plans[:4], range(16)), (1, plans[4:], range(16, 32))):
+    for _node, group, node_cpus in ((0, plans[:4], range(16)), (1, plans[4:], range(16, 32))):
         assert_disjoint_cover(group, node_cpus)
         assert [len(p.cpus) for p in group] == [4, 4, 4, 4]
         assert all(p.num_threads == 3 for p in group)

@@ -14,8 +14,6 @@ from __future__ import annotations
 
 import torch
 
-from cpu_offload._common.dtensor import local_of
-from cpu_offload._full.host_state import ParamRecord
 from cpu_offload._full.state_mapping import HOST_STATE_KEPT, host_value, saved_entry, step_value
 
 __all__ = ["state_dict", "load_state_dict", "SPECULATION_KEY"]
