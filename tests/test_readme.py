@@ -1,5 +1,5 @@
-# Every fenced ```python and ```bash block of README.md, run as written, so the manual
-# cannot drift from the code.
+# Every fenced ```python and ```bash block of the user's manual (README.md, docs/frameworks.md,
+# docs/kernels.md), run as written, so the manual cannot drift from the code.
 #
 # Scope: each python block runs alone in a fresh interpreter (the blocks are self-contained),
 # in a temporary directory; each bash block runs in the repository root. A block is not run
@@ -22,18 +22,22 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 README = ROOT / "README.md"
+# The user's manual: the README and the pages it moved its recipes to (the other docs/ pages
+# explain mechanisms, with fragments that are not programs).
+MANUALS = [README, ROOT / "docs" / "frameworks.md", ROOT / "docs" / "kernels.md"]
 TIMEOUT_S = 180
 FRAMEWORKS = ("transformers", "accelerate", "lightning", "trl", "peft", "datasets")
 _FENCE = re.compile(r"(?:<!-- not run: (?P<why>.+?) -->\n)?```(?P<lang>python|bash)\n(?P<code>.*?)```", re.S)
 
 
 def readme_blocks() -> list[dict]:
-    """Each python/bash block: language, code, its line in README.md, and why it is not run."""
-    text = README.read_text()
+    """Each python/bash block of the manuals: language, code, file and line, and why it is not run."""
     blocks = []
-    for m in _FENCE.finditer(text):
-        line = text.count("\n", 0, m.start("lang")) + 1
-        blocks.append(dict(lang=m["lang"], code=m["code"], line=line, why=m["why"]))
+    for path in MANUALS:
+        text = path.read_text()
+        for m in _FENCE.finditer(text):
+            line = text.count("\n", 0, m.start("lang")) + 1
+            blocks.append(dict(lang=m["lang"], code=m["code"], file=path.name, line=line, why=m["why"]))
     return blocks
 
 
@@ -54,12 +58,13 @@ BLOCKS = readme_blocks()
 
 
 def test_readme_has_blocks_and_every_marker_sits_on_a_fence():
-    text = README.read_text()
     assert len(BLOCKS) >= 10
-    assert text.count("<!-- not run:") == sum(1 for b in BLOCKS if b["why"])  # no stray markers
+    for path in MANUALS:  # no stray markers
+        marked = sum(1 for b in BLOCKS if b["why"] and b["file"] == path.name)
+        assert path.read_text().count("<!-- not run:") == marked, path.name
 
 
-@pytest.mark.parametrize("block", BLOCKS, ids=[f"{b['lang']}-line{b['line']}" for b in BLOCKS])
+@pytest.mark.parametrize("block", BLOCKS, ids=[f"{b['file']}-{b['lang']}-line{b['line']}" for b in BLOCKS])
 def test_readme_block_runs(block, tmp_path):
     why = _skip_reason(block)
     if why:
