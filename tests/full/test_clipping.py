@@ -8,50 +8,14 @@ import warnings
 
 import pytest
 import torch
-import torch.nn as nn
 
 from cpu_offload._full.optimizer import FullCPUOffloadOptimizer
-from test_full_offload import SMALL, batches, build, capture
+from helpers import (LOSS_SCALES, SMALL, STEPS, batches, build, check_unchanged, fp32_reference, normwise,
+                     snapshot, train, train_step)
 
-STEPS = 20
-LOSS_SCALES = [0.5, 2.0, 1.0, 3.0, 0.3, 1.5]  # varies the norm so that some steps clip and others do not
 # Norms up to 50x max_norm, changing 10-40x from step to step: the speculative step's
 # factor (the last step's coefficient) is far from the final one.
 HEAVY_LOSS_SCALES = [0.3, 4.0, 1.0, 12.0, 0.1, 2.5]
-
-
-def normwise(a, b):
-    return float((a - b).norm() / b.norm().clamp_min(1e-30))
-
-
-def train(kind, k, steps, *, clip=None, loss_scale=lambda s: LOSS_SCALES[s % len(LOSS_SCALES)], **opts):
-    """Full offload with ``clip_grad_norm_(clip)`` before each step; returns the
-    model, the wrapper, the initial weights, the captured grads and the norms."""
-    model, opt = build(kind)
-    init = {n: p.detach().clone() for n, p in model.named_parameters()}
-    grads = capture(model)
-    off = FullCPUOffloadOptimizer(opt, grad_accum_steps=k, **SMALL, **opts)
-    history, norms = [], []
-    for s in range(steps):
-        grads.clear()
-        for x, extra in batches(s, k):
-            (model(x.to(torch.bfloat16), use_extra=extra).float().pow(2).mean() * loss_scale(s)).backward()
-        if clip is not None:
-            norms.append(off.clip_grad_norm_(clip))
-        off.step()
-        off.zero_grad()
-        history.append({n: sum(g[1:], g[0].clone()) for n, g in grads.items()})
-    return model, off, init, history, norms
-
-
-def fp32_reference(kind, init):
-    """Named fp32 copies of ``build(kind)``'s parameters from ``init`` and the same optimizer over them."""
-    model, opt = build(kind)
-    params = {n: nn.Parameter(init[n].float().clone()) for n, _ in model.named_parameters()}
-    by_id = {id(p): n for n, p in model.named_parameters()}
-    groups = [{**{k: v for k, v in g.items() if k != "params"},
-               "params": [params[by_id[id(p)]] for p in g["params"] if p.requires_grad]} for g in opt.param_groups]
-    return params, type(opt)(groups, lr=groups[0]["lr"])
 
 
 def torch_replay(kind, init, history, clip):
@@ -135,22 +99,6 @@ def test_sign_sgd_clipping_returns_torch_norm_and_changes_no_update():
     plain = train("sign_sgd", 1, 6)[1]
     for a, b in zip(off._records, plain._records):
         assert torch.equal(a.master, b.master), a.name
-
-
-def snapshot(off):
-    return {r.name: (r.master.clone(), r.exp_avg.clone(), r.exp_avg_sq.clone(), r.step) for r in off._records}
-
-
-def train_step(model, off, s, k, *, loss_factor=1.0):
-    for x, extra in batches(s, k):
-        (model(x.to(torch.bfloat16), use_extra=extra).float().pow(2).mean() * loss_factor).backward()
-
-
-def check_unchanged(off, before, weights):
-    for r in off._records:
-        m, ea, eas, st = before[r.name]
-        assert torch.equal(r.master, m) and torch.equal(r.exp_avg, ea) and torch.equal(r.exp_avg_sq, eas), r.name
-        assert r.step == st and torch.equal(r.param.detach(), weights[r.name]), r.name
 
 
 @pytest.mark.parametrize("k", [1, 2])
