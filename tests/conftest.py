@@ -1,27 +1,12 @@
-# Shared fixtures: ISA parametrization that skips (visibly) targets this CPU lacks, a
-# reset of the frameworks' process-wide state between tests, a one-rank NCCL group, and
-# the loading of a benchmark script as a module.
-import importlib.util
-import socket
+# Shared fixtures (they apply to every test folder): the pool split over every worker, the
+# thread count and ISA restored after each test, a reset of the frameworks' process-wide
+# state between tests, and a one-rank NCCL group. Shared plain code lives in helpers.py.
 import sys
-from pathlib import Path
 
 import pytest
-import torch
 
 from cpu_offload import _C, kernels
-
-ALL_ISAS = list(_C.known_isas())
-
-
-def isa_params():
-    """One pytest param per known ISA, skipped with a reason when this CPU lacks it."""
-    available = kernels.available_isas()
-    return [
-        pytest.param(name, marks=pytest.mark.skipif(
-            name not in available, reason=f"this CPU lacks {name} (runs {available})"))
-        for name in ALL_ISAS
-    ]
+from helpers import free_port
 
 
 @pytest.fixture
@@ -40,10 +25,6 @@ def restore_threads_and_isa():
     _C.set_isa(isa)
 
 
-def gen(seed: int) -> torch.Generator:
-    return torch.Generator().manual_seed(seed)
-
-
 @pytest.fixture(autouse=True)
 def fresh_accelerate_state():
     """HF Trainer and accelerate keep process-wide state in their Accelerator: reset it after
@@ -54,23 +35,6 @@ def fresh_accelerate_state():
 
         AcceleratorState._reset_state(True)
         GradientState._reset_state()
-
-
-def load_benchmark(file_name: str, module_name: str):
-    """benchmarks/<file_name> imported as ``module_name`` (registered in sys.modules, where
-    dataclasses and pickling look a module up)."""
-    path = Path(__file__).resolve().parents[1] / "benchmarks" / file_name
-    spec = importlib.util.spec_from_file_location(module_name, path)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[module_name] = module
-    spec.loader.exec_module(module)
-    return module
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @pytest.fixture

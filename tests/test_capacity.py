@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import load_benchmark
+from helpers import load_benchmark
 
 ROOT = Path(__file__).resolve().parents[1]
 

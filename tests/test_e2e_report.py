@@ -14,7 +14,7 @@ import pytest
 import torch
 
 import cpu_offload
-from conftest import load_benchmark
+from helpers import load_benchmark
 
 ROOT = Path(__file__).resolve().parents[1]
 

@@ -3,7 +3,7 @@ import pytest
 import torch
 
 from cpu_offload import SignSGD, kernels
-from conftest import gen
+from helpers import gen
 
 
 @pytest.mark.parametrize("weight_decay", [0.0, 0.1])

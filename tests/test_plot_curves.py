@@ -14,7 +14,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from conftest import load_benchmark
+from helpers import load_benchmark
 
 ROOT = Path(__file__).resolve().parents[1]
 

@@ -14,7 +14,7 @@ from cpu_offload._full import protocol
 from cpu_offload._full.optimizer import FullCPUOffloadOptimizer
 from cpu_offload._full.protocol import TRANSITIONS, Phase, ProtocolError, ProtocolState
 
-DOC = Path(__file__).resolve().parents[1] / "docs" / "architecture.md"
+DOC = Path(__file__).resolve().parents[2] / "docs" / "architecture.md"
 
 
 def test_the_documented_table_is_the_code_table():

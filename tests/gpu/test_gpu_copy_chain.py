@@ -2,7 +2,7 @@
 # in both directions, for contiguous and strided tensors; a small copy issued on
 # another stream behind a bulk copy goes through at the next slice, not at the
 # end of the bulk; a job waits for the events it is given.
-# Run: python -m pytest -q -m gpu tests/test_gpu_copy_chain.py
+# Run: python -m pytest -q -m gpu tests/gpu/test_gpu_copy_chain.py
 import time
 
 import pytest

@@ -6,7 +6,7 @@ import torch
 
 from cpu_offload import kernels
 from cpu_offload.reference import adamw_reference_, sign_sgd_reference_
-from conftest import gen, isa_params
+from helpers import gen, isa_params
 
 HYPERS = [
     dict(lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.01),

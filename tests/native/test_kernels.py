@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from cpu_offload import _C, kernels
-from conftest import gen, isa_params
+from helpers import gen, isa_params
 
 SIZES = [0, 1, 15, 16, 17, 31, 33, 4099, 1 << 20]
 HYPER = dict(lr=3e-3, beta1=0.9, beta2=0.95, eps=1e-8, weight_decay=0.1, grad_scale=0.5)

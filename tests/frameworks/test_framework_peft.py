@@ -11,7 +11,7 @@ transformers = pytest.importorskip("transformers")
 peft = pytest.importorskip("peft")
 
 import cpu_offload  # noqa: E402
-from framework_models import Bf16MasterAdamW, adamw, loss_report, tiny_llama, token_rows  # noqa: E402
+from helpers import Bf16MasterAdamW, adamw, loss_report, tiny_llama, token_rows  # noqa: E402
 
 LORA = dict(r=8, lora_alpha=16, lora_dropout=0.0,
             target_modules=["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"])

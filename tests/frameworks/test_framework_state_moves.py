@@ -12,7 +12,7 @@ import torch
 pytest.importorskip("transformers")
 
 import cpu_offload  # noqa: E402
-from framework_models import adamw, tiny_llama, token_rows  # noqa: E402
+from helpers import adamw, tiny_llama, token_rows  # noqa: E402
 
 
 def _tensors(obj):

@@ -3,7 +3,7 @@
 # streams and the CPU worker is ordered by events, so work issued after the
 # final backward and before step() sees the finished new weights, and a second
 # backward before step() gets the library's error, never a race.
-# Run: pytest -m gpu tests/test_gpu_ordering.py
+# Run: pytest -m gpu tests/gpu/test_gpu_ordering.py
 import pytest
 import torch
 import torch.nn as nn

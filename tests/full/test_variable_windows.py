@@ -6,8 +6,7 @@ import pytest
 import torch
 
 from cpu_offload._full.optimizer import FullCPUOffloadOptimizer
-from test_clipping import fp32_reference, normwise
-from test_full_offload import SMALL, build, capture
+from helpers import SMALL, build, capture, fp32_reference, normwise
 
 COUNTS = [1, 3, 2, 5]  # micro-batches per step
 CLIP = 0.3

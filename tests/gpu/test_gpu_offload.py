@@ -7,8 +7,8 @@
 #   - peak GPU memory during training <= 25% of offload="none" (batch 1 x 128);
 #   - two GPUs, FSDP2 under torchrun: every rank's shards equal the reference,
 #     and the gathered masters equal a one-GPU run of the same model and data.
-# Run: pytest -m gpu tests/test_gpu_offload.py   (the 2-GPU test starts torchrun
-# itself; by hand: torchrun --nproc-per-node 2 tests/test_gpu_offload.py --worker DIR)
+# Run: pytest -m gpu tests/gpu/test_gpu_offload.py   (the 2-GPU test starts torchrun
+# itself; by hand: PYTHONPATH=tests torchrun --nproc-per-node 2 tests/gpu/test_gpu_offload.py --worker DIR)
 import os
 import subprocess
 import sys
@@ -18,7 +18,7 @@ import torch
 import torch.nn as nn
 
 import cpu_offload
-from conftest import free_port
+from helpers import free_port
 from cpu_offload import offload_optimizer
 from cpu_offload.reference import adamw_reference_
 
@@ -270,7 +270,8 @@ def test_two_gpus_fsdp2_torchrun(tmp_path):
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-port", str(free_port()),
            __file__, "--worker", str(tmp_path)]
     root = os.path.dirname(os.path.dirname(os.path.abspath(cpu_offload.__file__)))  # the workers import it too
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join([root] + [p for p in [os.environ.get("PYTHONPATH")] if p]))
+    tests = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # and tests/helpers.py
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([root, tests] + [p for p in [os.environ.get("PYTHONPATH")] if p]))
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=400, env=env)
     assert proc.returncode == 0, (proc.stdout + proc.stderr)[-6000:]
     shards = [torch.load(tmp_path / f"masters{r}.pt") for r in range(2)]

@@ -10,7 +10,7 @@ import torch
 import cpu_offload
 from cpu_offload._full.optimizer import FullCPUOffloadOptimizer
 from cpu_offload._full.host_state import host_bytes_needed
-from test_full_offload import SMALL, batches, build, expected, named, run
+from helpers import SMALL, batches, build, expected, named, run
 
 BF16 = dict(SMALL, state_dtype=torch.bfloat16)
 

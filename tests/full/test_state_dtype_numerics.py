@@ -13,8 +13,8 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from cpu_offload._full.optimizer import FullCPUOffloadOptimizer
-from test_clipping import LOSS_SCALES, STEPS, check_unchanged, fp32_reference, normwise, snapshot, train, train_step
-from test_full_offload import SMALL, build
+from helpers import (LOSS_SCALES, SMALL, STEPS, build, check_unchanged, fp32_reference, normwise, snapshot, train,
+                     train_step)
 
 BF16 = torch.bfloat16
 

@@ -13,7 +13,7 @@ import torch
 transformers = pytest.importorskip("transformers")
 
 import cpu_offload  # noqa: E402
-from framework_models import (  # noqa: E402
+from helpers import (  # noqa: E402
     FullOffloadMaker, BF16_LOSS_ATOL, Bf16MasterAdamW, adamw, assert_trains, loss_report, tiny_llama, token_rows,
 )
 

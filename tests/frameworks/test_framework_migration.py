@@ -12,7 +12,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 import cpu_offload
-from framework_models import BF16_LOSS_ATOL, Bf16MasterAdamW, loss_report, token_rows
+from helpers import BF16_LOSS_ATOL, Bf16MasterAdamW, loss_report, token_rows
 
 HP = dict(lr=1e-2, betas=(0.9, 0.95), weight_decay=0.1)
 STEPS = 6  # per phase

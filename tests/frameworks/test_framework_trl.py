@@ -12,7 +12,7 @@ datasets = pytest.importorskip("datasets")
 tokenizers = pytest.importorskip("tokenizers")
 
 import cpu_offload  # noqa: E402
-from framework_models import (  # noqa: E402
+from helpers import (  # noqa: E402
     BF16_LOSS_ATOL, VOCAB, Bf16MasterAdamW, adamw, assert_trains, loss_report, tiny_llama, token_rows,
 )
 

@@ -15,7 +15,7 @@ import pytest
 import torch
 import torch.nn as nn
 
-from conftest import free_port
+from helpers import free_port
 
 STEPS, RESUME_AT, ACCUM = 4, 2, 2
 
@@ -203,7 +203,8 @@ def _run_workers(mode, tmp_path):
 
     port = str(free_port())
     root = os.path.dirname(os.path.dirname(os.path.abspath(cpu_offload.__file__)))  # the workers import it too
-    path = os.pathsep.join([root] + [p for p in [os.environ.get("PYTHONPATH")] if p])
+    tests = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # and tests/helpers.py
+    path = os.pathsep.join([root, tests] + [p for p in [os.environ.get("PYTHONPATH")] if p])
     procs = []
     for rank in range(2):
         env = dict(os.environ, MASTER_ADDR="127.0.0.1", MASTER_PORT=port, RANK=str(rank), WORLD_SIZE="2",

@@ -12,7 +12,7 @@ accelerate = pytest.importorskip("accelerate")
 pytest.importorskip("transformers")
 
 import cpu_offload  # noqa: E402
-from framework_models import (  # noqa: E402
+from helpers import (  # noqa: E402
     FullOffloadMaker, BF16_LOSS_ATOL, Bf16MasterAdamW, adamw, assert_trains, loss_report, tiny_llama, token_rows,
 )
 

@@ -3,7 +3,7 @@
 # steps, not on others) against torch.nn.utils.clip_grad_norm_ + torch.optim.AdamW
 # replayed on the captured gradients, with the gradient copy on the host and on the
 # device; a NaN loss leaves the state bit-identical.
-# Run: pytest -m gpu tests/test_gpu_clipping.py
+# Run: pytest -m gpu tests/gpu/test_gpu_clipping.py
 import math
 import pathlib
 import sys
@@ -15,7 +15,7 @@ import torch.nn.functional as F
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
 
-EXAMPLES = pathlib.Path(__file__).resolve().parent.parent / "examples"
+EXAMPLES = pathlib.Path(__file__).resolve().parents[2] / "examples"
 # NOTE: on the example's data the gradient norms of these steps run from about 0.7 to
 # 20 (they grow as the model learns the data's permutation): CLIP clips about half.
 STEPS, SEQ, CLIP = 20, 256, 4.0

@@ -5,7 +5,7 @@
 # stays within 5% of the bf16 weights (before the fix: the whole 12 B/parameter state,
 # 6x the weights).
 # About 150M parameters (300 MB of bf16 weights, 1.8 GB of host state).
-# Run: pytest -m gpu tests/test_gpu_framework_state_moves.py
+# Run: pytest -m gpu tests/gpu/test_gpu_framework_state_moves.py
 import pytest
 import torch
 import torch.nn as nn

@@ -13,7 +13,7 @@
 #     backward, the optimizer's own kernels, the H2D or the D2H stream) still
 #     equal the unwrapped run bit for bit, also with the whole copy-out left
 #     to overlap the next forward.
-# Run: python -m pytest -q -m gpu tests/test_gpu_state_offload.py
+# Run: python -m pytest -q -m gpu tests/gpu/test_gpu_state_offload.py
 import gc
 
 import pytest

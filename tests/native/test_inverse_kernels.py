@@ -12,7 +12,7 @@ import torch
 from cpu_offload import _C, kernels
 from cpu_offload.reference import adamw_inverse_reference_, sign_sgd_inverse_reference_
 from cpu_offload._full.rollback import rollback_adamw_, rollback_sign_sgd_
-from conftest import gen, isa_params
+from helpers import gen, isa_params
 
 SIZES = [0, 1, 7, 16, 33, 4099, 1_000_003]
 HYPER = dict(lr=3e-3, beta1=0.9, beta2=0.95, eps=1e-8, weight_decay=0.1, grad_scale=0.5)

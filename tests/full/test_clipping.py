@@ -8,50 +8,14 @@ import warnings
 
 import pytest
 import torch
-import torch.nn as nn
 
 from cpu_offload._full.optimizer import FullCPUOffloadOptimizer
-from test_full_offload import SMALL, batches, build, capture
+from helpers import (LOSS_SCALES, SMALL, STEPS, batches, build, check_unchanged, fp32_reference, normwise,
+                     snapshot, train, train_step)
 
-STEPS = 20
-LOSS_SCALES = [0.5, 2.0, 1.0, 3.0, 0.3, 1.5]  # varies the norm so that some steps clip and others do not
 # Norms up to 50x max_norm, changing 10-40x from step to step: the speculative step's
 # factor (the last step's coefficient) is far from the final one.
 HEAVY_LOSS_SCALES = [0.3, 4.0, 1.0, 12.0, 0.1, 2.5]
-
-
-def normwise(a, b):
-    return float((a - b).norm() / b.norm().clamp_min(1e-30))
-
-
-def train(kind, k, steps, *, clip=None, loss_scale=lambda s: LOSS_SCALES[s % len(LOSS_SCALES)], **opts):
-    """Full offload with ``clip_grad_norm_(clip)`` before each step; returns the
-    model, the wrapper, the initial weights, the captured grads and the norms."""
-    model, opt = build(kind)
-    init = {n: p.detach().clone() for n, p in model.named_parameters()}
-    grads = capture(model)
-    off = FullCPUOffloadOptimizer(opt, grad_accum_steps=k, **SMALL, **opts)
-    history, norms = [], []
-    for s in range(steps):
-        grads.clear()
-        for x, extra in batches(s, k):
-            (model(x.to(torch.bfloat16), use_extra=extra).float().pow(2).mean() * loss_scale(s)).backward()
-        if clip is not None:
-            norms.append(off.clip_grad_norm_(clip))
-        off.step()
-        off.zero_grad()
-        history.append({n: sum(g[1:], g[0].clone()) for n, g in grads.items()})
-    return model, off, init, history, norms
-
-
-def fp32_reference(kind, init):
-    """Named fp32 copies of ``build(kind)``'s parameters from ``init`` and the same optimizer over them."""
-    model, opt = build(kind)
-    params = {n: nn.Parameter(init[n].float().clone()) for n, _ in model.named_parameters()}
-    by_id = {id(p): n for n, p in model.named_parameters()}
-    groups = [{**{k: v for k, v in g.items() if k != "params"},
-               "params": [params[by_id[id(p)]] for p in g["params"] if p.requires_grad]} for g in opt.param_groups]
-    return params, type(opt)(groups, lr=groups[0]["lr"])
 
 
 def torch_replay(kind, init, history, clip):
@@ -80,14 +44,14 @@ def test_clipped_steps_match_torch(k, grad_copy, scales, clip):
         assert ours.dtype == torch.float32 and ours.dim() == 0
         assert abs(float(ours) - float(theirs)) <= 1e-6 * float(theirs)
     by_id = {id(p): n for n, p in model.named_parameters()}
-    for rec in off._records:
-        n = by_id[id(rec.param)]
+    for p, ours in off.state.items():
+        n = by_id[id(p)]
         st = ref.state[params[n]]
-        assert normwise(rec.master.view(rec.shape), params[n].detach()) < 1e-5, n
+        assert normwise(ours["master"], params[n].detach()) < 1e-5, n
         if "exp_avg" in st:
-            assert normwise(rec.exp_avg.view(rec.shape), st["exp_avg"]) < 1e-5, n
-            assert normwise(rec.exp_avg_sq.view(rec.shape), st["exp_avg_sq"]) < 1e-5, n
-        assert torch.equal(rec.param.detach(), rec.master.view(rec.shape).to(torch.bfloat16)), n
+            assert normwise(ours["exp_avg"], st["exp_avg"]) < 1e-5, n
+            assert normwise(ours["exp_avg_sq"], st["exp_avg_sq"]) < 1e-5, n
+        assert torch.equal(p.detach(), ours["master"].to(torch.bfloat16)), n
     assert off.stats()["clip_coef"] is not None and off.stats()["skipped_steps"] == 0
 
 
@@ -98,10 +62,10 @@ def test_clipping_to_zero_steps_with_zero_gradients_like_torch(k):
     model, off, init, history, norms = train("adamw", k, 6, clip=0.0)
     params, ref, ref_norms = torch_replay("adamw", init, history, 0.0)
     by_id = {id(p): n for n, p in model.named_parameters()}
-    for rec in off._records:
-        n = by_id[id(rec.param)]
-        assert normwise(rec.master.view(rec.shape), params[n].detach()) < 1e-5, n
-        assert rec.step == int(ref.state[params[n]].get("step", 0)), n
+    for p, ours in off.state.items():
+        n = by_id[id(p)]
+        assert normwise(ours["master"], params[n].detach()) < 1e-5, n
+        assert int(ours["step"]) == int(ref.state[params[n]].get("step", 0)), n
     assert off.stats()["clip_coef"] == 0.0
 
 
@@ -111,19 +75,19 @@ def test_steps_that_do_not_clip_are_bit_identical(kind, k):
     plain = train(kind, k, 6, skip_nonfinite=False)[1]
     clipped = train(kind, k, 6, clip=1e6)[1]  # never clips; guard on (the default)
     option = train(kind, k, 6, max_grad_norm=1e6)[1]
-    for a, b, c in zip(plain._records, clipped._records, option._records):
-        assert torch.equal(a.master, b.master) and torch.equal(a.master, c.master), a.name
-        assert a.step == b.step == c.step
+    for a, b, c in zip(plain.state.values(), clipped.state.values(), option.state.values()):
+        assert torch.equal(a["master"], b["master"]) and torch.equal(a["master"], c["master"]), a
+        assert int(a["step"]) == int(b["step"]) == int(c["step"])
         if kind == "adamw":
-            assert torch.equal(a.exp_avg_sq, b.exp_avg_sq) and torch.equal(a.exp_avg_sq, c.exp_avg_sq)
+            assert torch.equal(a["exp_avg_sq"], b["exp_avg_sq"]) and torch.equal(a["exp_avg_sq"], c["exp_avg_sq"])
 
 
 @pytest.mark.parametrize("k", [1, 2])
 def test_max_grad_norm_option_equals_the_call(k):
     called = train("adamw", k, 8, clip=0.5)[1]
     option = train("adamw", k, 8, max_grad_norm=0.5)[1]
-    for a, b in zip(called._records, option._records):
-        assert torch.equal(a.master, b.master) and torch.equal(a.exp_avg, b.exp_avg), a.name
+    for a, b in zip(called.state.values(), option.state.values()):
+        assert torch.equal(a["master"], b["master"]) and torch.equal(a["exp_avg"], b["exp_avg"]), a
     assert option.stats()["grad_norm"] is not None
 
 
@@ -133,24 +97,8 @@ def test_sign_sgd_clipping_returns_torch_norm_and_changes_no_update():
     for ours, theirs in zip(norms, ref_norms):
         assert abs(float(ours) - float(theirs)) <= 1e-6 * float(theirs)
     plain = train("sign_sgd", 1, 6)[1]
-    for a, b in zip(off._records, plain._records):
-        assert torch.equal(a.master, b.master), a.name
-
-
-def snapshot(off):
-    return {r.name: (r.master.clone(), r.exp_avg.clone(), r.exp_avg_sq.clone(), r.step) for r in off._records}
-
-
-def train_step(model, off, s, k, *, loss_factor=1.0):
-    for x, extra in batches(s, k):
-        (model(x.to(torch.bfloat16), use_extra=extra).float().pow(2).mean() * loss_factor).backward()
-
-
-def check_unchanged(off, before, weights):
-    for r in off._records:
-        m, ea, eas, st = before[r.name]
-        assert torch.equal(r.master, m) and torch.equal(r.exp_avg, ea) and torch.equal(r.exp_avg_sq, eas), r.name
-        assert r.step == st and torch.equal(r.param.detach(), weights[r.name]), r.name
+    for a, b in zip(off.state.values(), plain.state.values()):
+        assert torch.equal(a["master"], b["master"]), a
 
 
 @pytest.mark.parametrize("k", [1, 2])
@@ -173,7 +121,7 @@ def test_nan_loss_skips_the_step_bit_identically(k):
             off.step()
         off.zero_grad()
     assert off.stats()["skipped_steps"] == 1 and not off.stats()["skipped"]
-    assert all(torch.isfinite(r.master).all() for r in off._records)
+    assert all(torch.isfinite(st["master"]).all() for st in off.state.values())
 
 
 @pytest.mark.parametrize("k, grad_copy", [(1, "host"), (1, "device"), (2, "device")])
@@ -250,7 +198,7 @@ def test_skip_nonfinite_false_gives_torch_behaviour():
     (model(x.to(torch.bfloat16), use_extra=extra).float().pow(2).mean() * math.nan).backward()
     off.step()
     assert off.stats()["skipped_steps"] == 0
-    assert torch.isnan(off._records[0].master).any()  # like torch.optim.AdamW fed NaN gradients
+    assert torch.isnan(next(iter(off.state.values()))["master"]).any()  # like torch.optim.AdamW fed NaN gradients
 
 
 def test_grad_copy_places_and_host_bytes():
@@ -278,5 +226,5 @@ def test_zero_filled_parameters_are_clipped_and_rolled_back(grad_copy):
         assert float(off.clip_grad_norm_(0.01)) > 0.01
         off.step()
         off.zero_grad(set_to_none=False)
-    extra = next(r for r in off._records if r.param is model.extra)
-    assert extra.step == 3 and torch.isfinite(extra.master).all()
+    extra = off.state[model.extra]
+    assert int(extra["step"]) == 3 and torch.isfinite(extra["master"]).all()

@@ -1,0 +1,397 @@
+# Shared pieces of the tests (not a test module; every test folder imports it as
+# `helpers`: pyproject.toml puts tests/ on sys.path):
+#   - the ISA parametrization, seeded generators, the loading of a benchmark script as a
+#     module and a free TCP port;
+#   - full offload's small model on CPU parameters (two param groups, a parameter used on
+#     some micro-batches only, one never used, one frozen), its training runs, and their
+#     replay with the reference or torch;
+#   - the clipped training run of full offload and snapshots of its host state;
+#   - for the framework tests: a tiny Llama built from a config (nothing downloaded), random
+#     token data, the bf16/fp32-master reference optimizer full offload is compared with,
+#     and the comparison.
+#
+# Scope: deterministic CPU runs a few seconds long. Non-goals: any framework import (each
+# framework test module imports its framework through pytest.importorskip; tiny_llama
+# imports transformers when called).
+
+from __future__ import annotations
+
+import importlib.util
+import socket
+import sys
+from collections import OrderedDict
+from pathlib import Path
+
+import pytest
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from cpu_offload import _C, kernels
+from cpu_offload._full.optimizer import FullCPUOffloadOptimizer
+from cpu_offload.optim import SignSGD
+from cpu_offload.reference import adamw_reference_, sign_sgd_reference_
+
+# ------------------------------------------------ ISAs, seeds, benchmarks, ports
+
+
+ALL_ISAS = list(_C.known_isas())
+
+
+def isa_params():
+    """One pytest param per known ISA, skipped with a reason when this CPU lacks it."""
+    available = kernels.available_isas()
+    return [
+        pytest.param(name, marks=pytest.mark.skipif(
+            name not in available, reason=f"this CPU lacks {name} (runs {available})"))
+        for name in ALL_ISAS
+    ]
+
+
+def gen(seed: int) -> torch.Generator:
+    return torch.Generator().manual_seed(seed)
+
+
+def load_benchmark(file_name: str, module_name: str):
+    """benchmarks/<file_name> imported as ``module_name`` (registered in sys.modules, where
+    dataclasses and pickling look a module up)."""
+    path = Path(__file__).resolve().parents[1] / "benchmarks" / file_name
+    spec = importlib.util.spec_from_file_location(module_name, path)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[module_name] = module
+    spec.loader.exec_module(module)
+    return module
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+# ------------------------------------------------ full offload on CPU parameters
+
+# Two 4 KiB slots per ring: l2's weight (4096 bf16 elements, 8 KiB) spans chunks.
+SMALL = dict(pinned_bytes=4 * 4096, num_slots=2)
+
+
+class Net(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.l1 = nn.Linear(24, 64)
+        self.l2 = nn.Linear(64, 64)
+        self.head = nn.Linear(64, 8)
+        self.extra = nn.Parameter(torch.randn(8) * 0.1)  # used on some micro-batches only
+        self.unused = nn.Parameter(torch.randn(5))  # never receives a gradient
+        self.frozen = nn.Parameter(torch.randn(8), requires_grad=False)
+
+    def forward(self, x, use_extra=False):
+        y = self.head(F.gelu(self.l2(F.gelu(self.l1(x))))) + self.frozen
+        if use_extra:
+            y = y * self.extra
+        return y
+
+
+def build(kind, *, lr=1e-2, seed=0):
+    torch.manual_seed(seed)
+    model = Net()
+    p = dict(model.named_parameters())
+    groups = [
+        {"params": [p["l1.weight"], p["l1.bias"], p["head.weight"], p["head.bias"], p["unused"], p["frozen"]],
+         "weight_decay": 0.1},
+        {"params": [p["l2.weight"], p["l2.bias"], p["extra"]], "lr": lr * 0.3, "weight_decay": 0.02},
+    ]
+    if kind == "adamw":
+        opt = torch.optim.AdamW(groups, lr=lr, betas=(0.9, 0.95), eps=1e-8)
+    else:
+        opt = SignSGD(groups, lr=lr * 0.1, weight_decay=0.05)
+    return model, opt
+
+
+def batches(step, k):
+    g = torch.Generator().manual_seed(1000 + step)
+    return [(torch.randn(4, 24, generator=g), m == 0 and step % 2 == 0) for m in range(k)]
+
+
+def capture(model):
+    grads = {}
+    for n, p in model.named_parameters():
+        if p.requires_grad:
+            p.register_post_accumulate_grad_hook(
+                lambda p, n=n: grads.setdefault(n, []).append(p.grad.detach().float().clone()))
+    return grads
+
+
+def run(kind, k, steps, **opts):
+    """Train with full offload; return the model, the wrapper, per-step grads."""
+    model, opt = build(kind)
+    init = {n: p.detach().clone() for n, p in model.named_parameters()}
+    grads = capture(model)  # registered first: runs before the offload hook
+    off = FullCPUOffloadOptimizer(opt, grad_accum_steps=k, **opts)
+    sched = torch.optim.lr_scheduler.StepLR(off, step_size=2, gamma=0.5)
+    history = []
+    for s in range(steps):
+        grads.clear()
+        for x, extra in batches(s, k):
+            model(x.to(torch.bfloat16), use_extra=extra).float().pow(2).mean().backward()
+        off.step()
+        off.zero_grad()
+        sched.step()
+        history.append({n: list(g) for n, g in grads.items()})
+    return model, off, init, history
+
+
+def expected(kind, init, history, *, exact, moment_dtype=torch.float32):
+    """Replay the captured gradients with the reference (exact, moments in
+    ``moment_dtype``) or torch (fp32)."""
+    model, opt = build(kind)
+    params = {n: nn.Parameter(init[n].clone().float(), requires_grad=p.requires_grad)
+              for n, p in model.named_parameters()}
+    order = [n for n, _ in model.named_parameters()]
+    by_id = {id(p): n for n, p in model.named_parameters()}
+    groups = [{**{k: v for k, v in g.items() if k != "params"}, "params": [params[by_id[id(p)]] for p in g["params"]]}
+              for g in opt.param_groups]
+    ref = (torch.optim.AdamW(groups) if kind == "adamw" else SignSGD(groups, lr=groups[0]["lr"]))
+    sched = torch.optim.lr_scheduler.StepLR(ref, step_size=2, gamma=0.5)
+    steps = {n: 0 for n in order}
+    moments = {n: (torch.zeros_like(params[n], dtype=moment_dtype), torch.zeros_like(params[n], dtype=moment_dtype))
+               for n in order}
+    for grads in history:
+        for n in order:
+            params[n].grad = None
+            if n in grads:
+                total = grads[n][0].clone()
+                for g in grads[n][1:]:
+                    total += g  # fp32 sum in arrival order, like the host accumulator
+                params[n].grad = total
+        if exact:
+            for group in ref.param_groups:
+                for p in group["params"]:
+                    if p.grad is None:
+                        continue
+                    n = next(n for n in order if params[n] is p)
+                    with torch.no_grad():
+                        if kind == "adamw":
+                            steps[n] += 1
+                            adamw_reference_(p, p.grad, *moments[n], steps[n], lr=group["lr"], beta1=group["betas"][0],
+                                             beta2=group["betas"][1], eps=group["eps"], weight_decay=group["weight_decay"])
+                        else:
+                            sign_sgd_reference_(p, p.grad, lr=group["lr"], weight_decay=group["weight_decay"])
+            ref._opt_called = True  # stepped by hand: keep the scheduler's order check quiet
+        else:
+            ref.step()
+        sched.step()
+    return {n: p.detach() for n, p in params.items()}
+
+
+def named(model, off):
+    by_id = {id(p): n for n, p in model.named_parameters()}
+    return {by_id[id(rec.param)]: rec for rec in off._records}
+
+
+# ------------------------------------------------ clipping and the non-finite guard
+
+STEPS = 20
+LOSS_SCALES = [0.5, 2.0, 1.0, 3.0, 0.3, 1.5]  # varies the norm so that some steps clip and others do not
+
+
+def normwise(a, b):
+    return float((a - b).norm() / b.norm().clamp_min(1e-30))
+
+
+def train(kind, k, steps, *, clip=None, loss_scale=lambda s: LOSS_SCALES[s % len(LOSS_SCALES)], **opts):
+    """Full offload with ``clip_grad_norm_(clip)`` before each step; returns the
+    model, the wrapper, the initial weights, the captured grads and the norms."""
+    model, opt = build(kind)
+    init = {n: p.detach().clone() for n, p in model.named_parameters()}
+    grads = capture(model)
+    off = FullCPUOffloadOptimizer(opt, grad_accum_steps=k, **SMALL, **opts)
+    history, norms = [], []
+    for s in range(steps):
+        grads.clear()
+        for x, extra in batches(s, k):
+            (model(x.to(torch.bfloat16), use_extra=extra).float().pow(2).mean() * loss_scale(s)).backward()
+        if clip is not None:
+            norms.append(off.clip_grad_norm_(clip))
+        off.step()
+        off.zero_grad()
+        history.append({n: sum(g[1:], g[0].clone()) for n, g in grads.items()})
+    return model, off, init, history, norms
+
+
+def fp32_reference(kind, init):
+    """Named fp32 copies of ``build(kind)``'s parameters from ``init`` and the same optimizer over them."""
+    model, opt = build(kind)
+    params = {n: nn.Parameter(init[n].float().clone()) for n, _ in model.named_parameters()}
+    by_id = {id(p): n for n, p in model.named_parameters()}
+    groups = [{**{k: v for k, v in g.items() if k != "params"},
+               "params": [params[by_id[id(p)]] for p in g["params"] if p.requires_grad]} for g in opt.param_groups]
+    return params, type(opt)(groups, lr=groups[0]["lr"])
+
+def snapshot(off):
+    return {r.name: (r.master.clone(), r.exp_avg.clone(), r.exp_avg_sq.clone(), r.step) for r in off._records}
+
+
+def train_step(model, off, s, k, *, loss_factor=1.0):
+    for x, extra in batches(s, k):
+        (model(x.to(torch.bfloat16), use_extra=extra).float().pow(2).mean() * loss_factor).backward()
+
+
+def check_unchanged(off, before, weights):
+    for r in off._records:
+        m, ea, eas, st = before[r.name]
+        assert torch.equal(r.master, m) and torch.equal(r.exp_avg, ea) and torch.equal(r.exp_avg_sq, eas), r.name
+        assert r.step == st and torch.equal(r.param.detach(), weights[r.name]), r.name
+
+
+# ------------------------------------------------ the framework tests
+
+VOCAB = 128
+SEQ = 16
+
+# Full offload against the bf16 reference: the two runs see the same bf16
+# weights and gradients up to the rounding of AdamW's fp32 arithmetic (native
+# kernel vs torch), which can flip a bf16 rounding of a weight now and then.
+# Measured: at most 0.004 over 20-40 steps; 0.02 is 0.5% of a loss near 4.
+BF16_LOSS_ATOL = 2e-2
+
+
+def tiny_llama(seed: int = 0):
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(seed)
+    config = LlamaConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+                         num_key_value_heads=2, vocab_size=VOCAB, max_position_embeddings=64,
+                         pad_token_id=0, bos_token_id=1, eos_token_id=2)
+    return LlamaForCausalLM(config)
+
+
+def token_rows(n: int, *, seed: int = 1234, seq: int = SEQ) -> torch.Tensor:
+    """``n`` rows of ``seq`` tokens with a learnable pattern (each token is the
+    previous one plus a per-row stride, mod the vocabulary) so losses fall."""
+    g = torch.Generator().manual_seed(seed)
+    start = torch.randint(3, VOCAB, (n, 1), generator=g)
+    stride = torch.randint(1, 3, (n, 1), generator=g)
+    return (start + stride * torch.arange(seq)) % (VOCAB - 3) + 3
+
+
+def adamw(params, lr=1e-2):
+    return torch.optim.AdamW(params, lr=lr, betas=(0.9, 0.95), weight_decay=0.1)
+
+
+class Bf16MasterAdamW(torch.optim.Optimizer):
+    """The reference for full offload: the model trains in bf16; fp32 masters
+    are stepped by a plain torch.optim.AdamW with the bf16 gradients cast to
+    fp32 (summed in fp32 over accumulated backward passes, as full offload
+    does), and each step writes the masters back rounded to bf16.
+
+    Build it over the fp32 model's parameters; it casts them to bf16 in place
+    (as full offload does). LR schedulers drive the inner AdamW's groups.
+    ``max_grad_norm`` clips the fp32 gradient sums with torch.nn.utils.clip_grad_norm_.
+    """
+
+    def __init__(self, params, max_grad_norm=None, **adamw_options):
+        params = list(params)
+        self.max_grad_norm = max_grad_norm
+        self.masters = [p.detach().clone().float() for p in params]
+        self.compute = params
+        self.inner = torch.optim.AdamW(self.masters, **adamw_options)
+        self.defaults = self.inner.defaults
+        self.optimizer = self.inner
+        for name in ("step_pre", "step_post", "state_dict_pre", "state_dict_post",
+                     "load_state_dict_pre", "load_state_dict_post"):
+            setattr(self, f"_optimizer_{name}_hooks", OrderedDict())
+        self.hooks = []
+        for p, m in zip(params, self.masters):
+            p.data = p.data.to(torch.bfloat16)
+            self.hooks.append(p.register_post_accumulate_grad_hook(lambda p, m=m: self._accumulate(p, m)))
+
+    def close(self) -> None:
+        """Stop taking the model's gradients (before another optimizer trains it)."""
+        for h in self.hooks:
+            h.remove()
+
+    @staticmethod
+    @torch.no_grad()
+    def _accumulate(p, m):
+        g = p.grad.float()
+        m.grad = g if m.grad is None else m.grad.add_(g)
+        p.grad = None
+
+    # NOTE: properties, not copies: inner.load_state_dict (accelerate runs one at
+    # prepare time) installs new group dicts, and the scheduler must follow them.
+    @property
+    def param_groups(self):
+        return self.inner.param_groups
+
+    @param_groups.setter
+    def param_groups(self, groups):
+        self.inner.param_groups = groups
+
+    @property
+    def state(self):
+        return self.inner.state
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        if self.max_grad_norm is not None:
+            torch.nn.utils.clip_grad_norm_([m for m in self.masters if m.grad is not None], self.max_grad_norm)
+        self.inner.step()
+        for p, m in zip(self.compute, self.masters):
+            p.copy_(m.to(torch.bfloat16))
+            m.grad = None
+        return loss
+
+    def zero_grad(self, set_to_none: bool = True):
+        for p, m in zip(self.compute, self.masters):
+            p.grad = m.grad = None
+
+    def state_dict(self):
+        return self.inner.state_dict()
+
+    def load_state_dict(self, state_dict):
+        self.inner.load_state_dict(state_dict)
+
+
+def assert_trains(losses, line: str = "") -> None:
+    """The mean loss of the last quarter is clearly below that of the first."""
+    q = max(1, len(losses) // 4)
+    first, last = sum(losses[:q]) / q, sum(losses[-q:]) / q
+    assert last < first - 0.1, f"loss did not fall: {first:.4f} -> {last:.4f}; {line}"
+
+
+def loss_report(name: str, got, want) -> tuple[float, str]:
+    """Largest absolute difference of two loss curves and a printable line."""
+    got = [float(x) for x in got]
+    want = [float(x) for x in want]
+    assert len(got) == len(want), f"{name}: {len(got)} losses vs {len(want)}"
+    diff = max(abs(a - b) for a, b in zip(got, want))
+    line = (f"{name}: {len(got)} losses, max |diff| {diff:.3g}; "
+            f"first {got[0]:.5f} vs {want[0]:.5f}, last {got[-1]:.5f} vs {want[-1]:.5f}")
+    print(line)
+    return diff, line
+
+
+class FullOffloadMaker:
+    """``make(model)`` for the train_* helpers: a full-offload AdamW per call, kept so the
+    test can close them (their gradient hooks) when it ends."""
+
+    def __init__(self, grad_accum_steps: int, **options) -> None:
+        self.grad_accum_steps = grad_accum_steps
+        self.options = options
+        self.made: list = []
+
+    def __call__(self, model):
+        import cpu_offload
+
+        self.made.append(cpu_offload.offload_optimizer(adamw(model.parameters()), offload="full",
+                                                       grad_accum_steps=self.grad_accum_steps, **self.options))
+        return self.made[-1]
+
+    def close(self) -> None:
+        for opt in self.made:
+            opt.close()
