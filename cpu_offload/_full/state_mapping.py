@@ -15,7 +15,7 @@
 #   (``_init_state_dict``) keeps only dicts, lists and tensors (any other
 #   mapping becomes None), so ``state_dict()`` entries must stay dicts, and
 #   accelerate's round trip still copies them (not solved here: see
-#   tests/test_framework_state_moves.py). ``SavedEntry`` builds one entry.
+#   tests/frameworks/test_framework_state_moves.py). ``SavedEntry`` builds one entry.
 # - Lightning moves per key when an entry ``isinstance(v, MutableMapping)``,
 #   else ``optimizer.state[p] = apply_to_collection(v, Tensor, ...)``, which
 #   recurses only into Mapping, Sequence and dataclass values. A ``StateEntry``
