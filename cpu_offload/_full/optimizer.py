@@ -389,7 +389,7 @@ class FullCPUOffloadOptimizer(WindowControls, torch.optim.Optimizer):
             raise RuntimeError("step() called during a backward pass")
         self._check_frozen()
         self._check_no_bypassed_grads()
-        t0 = time.perf_counter()
+        t0, blocked_before = time.perf_counter(), self._proto.blocked_s
         if self._proto.phase is Phase.IDLE:
             self._validator.open_window()  # a factor announced for a window that never ran
             return loss
@@ -401,16 +401,18 @@ class FullCPUOffloadOptimizer(WindowControls, torch.optim.Optimizer):
         # NOTE: a Ctrl-C during the rollback and redo is delivered once the step is complete
         # and the window closed, so the state is the one after this step.
         with deferred_interrupts():
-            self._finish_step(passes, t0)
+            self._finish_step(passes, t0, blocked_before)
         return loss
 
-    def _finish_step(self, passes: int, t0: float) -> None:
+    def _finish_step(self, passes: int, t0: float, blocked_before: float) -> None:
+        """``blocked_before``: the window's blocked time up to this step() call, whose own
+        time (its guarded work included) counts once, from ``t0``."""
         self._guarded(self._validator.apply)
         self._transfer.set_compute_stream()
         self._transfer.compute_waits_for_h2d()
         v = self._validator
         stats = dict(self._pipeline.stats)
-        stats.update(step_blocked_s=self._proto.blocked_s + time.perf_counter() - t0,
+        stats.update(step_blocked_s=blocked_before + time.perf_counter() - t0,
                      pinned_bytes=self._pinned_bytes, host_bytes=self._host.nbytes, backward_passes=passes,
                      grad_norm=v.grad_norm, clip_coef=v.clip_coef, skipped=v.skipped)
         self._pipeline.stats.clear()

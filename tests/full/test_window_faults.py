@@ -325,3 +325,23 @@ def test_zero_filled_parameters_are_redone_with_accumulation():
     extra = next(r for r in off._records if r.param is model.extra)
     assert extra.step == 3 == int(ref.state[ref_model.extra]["step"])
     assert normwise(extra.master, ref_model.extra.detach()) < 1e-5
+
+
+def test_step_blocked_time_counts_a_redo_once(monkeypatch):
+    """stats()["step_blocked_s"]: the redo inside step() is part of step()'s own time, once."""
+    import time
+
+    model, init, off, grads = make()
+    real = step_validation.StepValidator.apply
+
+    def slow_apply(self):
+        time.sleep(0.3)
+        real(self)
+
+    backward(model, 0)
+    monkeypatch.setattr(step_validation.StepValidator, "apply", slow_apply)
+    t0 = time.perf_counter()
+    off.step()
+    elapsed = time.perf_counter() - t0
+    blocked = off.stats()["step_blocked_s"]
+    assert 0.3 <= blocked <= elapsed + 0.25, (blocked, elapsed)  # the end of backward adds its tail only
