@@ -64,7 +64,7 @@ _MIB = 1 << 20
 def _user_stacklevel() -> int:
     """The ``stacklevel`` that points a warning at the first frame outside this
     package and torch (whose optimizer and autograd wrappers sit in between)."""
-    skip = (os.path.dirname(__file__), os.path.dirname(torch.__file__))
+    skip = (os.path.dirname(os.path.dirname(os.path.abspath(__file__))), os.path.dirname(torch.__file__))  # the package
     level, frame = 1, sys._getframe(1)
     while frame is not None and frame.f_code.co_filename.startswith(skip):
         frame, level = frame.f_back, level + 1

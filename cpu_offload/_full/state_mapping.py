@@ -55,7 +55,7 @@ __all__ = ["SavedEntry", "StateEntry", "StateMapping", "HOST_STATE_KEPT", "for_d
 
 # Param-group key of a state_dict that holds no state because the state stayed on the host.
 HOST_STATE_KEPT = "host_state_kept"
-_OWN_DIRS = (os.path.dirname(os.path.abspath(__file__)), os.path.dirname(torch.__file__))
+_OWN_DIRS = (os.path.dirname(os.path.dirname(os.path.abspath(__file__))), os.path.dirname(torch.__file__))
 
 
 def for_device_placement() -> bool:
