@@ -76,7 +76,7 @@ class ChunkRunner:
 
     def reset_window(self) -> None:
         self.nonfinite = False  # a gradient of this window is NaN or Inf
-        self.held_back = False  # a chunk was not stepped speculatively: its g*g could overflow
+        self.held_back = False  # a chunk was not stepped speculatively (deferred, or its g*g could overflow)
         self.stepped: list = []  # (rec, start, numel, step used, hparams) of each stepped piece
 
     def forget_plans(self) -> None:
@@ -151,7 +151,9 @@ class ChunkRunner:
                 out_slot.owner = None
 
     def _hold_back(self, chunk) -> bool:
-        """Whether this chunk (and the window's later ones) waits for the final factor.
+        """Whether this chunk (and the window's later ones) waits for the final factor:
+        the window defers its step (validation.py says when), or its speculative step
+        could overflow.
 
         NOTE: the speculative step squares each gradient times its factor in float32; once
         (factor*|g|)**2 could overflow, v becomes Inf and no rollback recovers the old v
@@ -159,9 +161,11 @@ class ChunkRunner:
         step finite, as in torch. Such chunks are not stepped; validation redoes them
         with the final factor. |g_i| <= the 2-norm of the piece's parameter (or accumulator
         so far), so the test is conservative."""
-        if not (chunk.speculative and self.track_norms and self.algorithm == "adamw"):
+        if not (chunk.speculative and self.algorithm == "adamw"):
             return False
-        if not self.held_back:
+        if chunk.deferred:
+            self.held_back = True
+        elif not self.held_back and self.track_norms:
             self.held_back = any(math.sqrt(p.rec.grad_sq) * chunk.hparams[p.rec.group]["grad_scale"] > _SAFE_GRAD
                                  for p in chunk.pieces)
         return self.held_back

@@ -287,7 +287,8 @@ class FullCPUOffloadOptimizer(WindowControls, torch.optim.Optimizer):
         hparams = self._read_hparams(speculate=True) if self._proto.final else None
         self._validator.forget_norms()
         self._pipeline.begin_backward(micro=self._proto.micro, final=self._proto.final, hparams=hparams,
-                                      speculative=self._proto.final)
+                                      speculative=self._proto.final,
+                                      deferred=self._proto.final and self._validator.defers())
 
     def _backward_ended(self, gen: int) -> None:
         if gen != self._proto.gen or self._proto.phase is not Phase.BACKWARD:

@@ -48,6 +48,7 @@ class Pass:
     final: bool = False  # the window's last: its chunks run the optimizer
     hparams: Optional[list] = None  # per-group hyper-parameters of its optimizer steps
     speculative: bool = False  # the factor on its gradients may still change (validated later)
+    deferred: bool = False  # its chunks wait for the window's final factor (validation steps them)
 
 
 @dataclass(eq=False)
@@ -58,6 +59,7 @@ class Chunk:
     slot: Optional[Slot]
     hparams: Optional[list]  # per-group hyper-parameters, snapshot at the final backward's start
     speculative: bool = False  # stepped before the window's factor is final
+    deferred: bool = False  # not stepped before the window's factor is final
     pieces: list = field(default_factory=list)
     used: int = 0  # bytes used in the slot
     marker: Any = None  # completion of the D2H copies into the slot
@@ -147,7 +149,8 @@ class Pipeline:
 
     @property
     def held_back(self) -> bool:
-        """Chunks of this window were not stepped: their speculative step could overflow."""
+        """Chunks of this window were not stepped: the window defers its step, or their
+        speculative step could overflow."""
         return self._runner.held_back
 
     @property
@@ -160,8 +163,9 @@ class Pipeline:
         if err is not None:
             raise err
 
-    def begin_backward(self, *, micro: int, final: bool, hparams: Optional[list], speculative: bool = False) -> None:
-        self._cur = Pass(micro, final, hparams, speculative)
+    def begin_backward(self, *, micro: int, final: bool, hparams: Optional[list], speculative: bool = False,
+                       deferred: bool = False) -> None:
+        self._cur = Pass(micro, final, hparams, speculative, deferred)
 
     def stage_grad(self, rec: ParamRecord, grad: torch.Tensor, *, add: bool) -> None:
         """Stage the flat gradient ``grad`` of ``rec`` into the open chunk(s)."""
@@ -226,7 +230,7 @@ class Pipeline:
                 if pl.new_chunk:
                     if chunk is not None:
                         self._submit(chunk)
-                    chunk = Chunk(self._next_seq(), cur.micro, True, None, cur.hparams, cur.speculative)
+                    chunk = Chunk(self._next_seq(), cur.micro, True, None, cur.hparams, cur.speculative, cur.deferred)
                 chunk.pieces.append(Piece(rec, pl.start, pl.numel, -1, torch.float32, True))
         if chunk is not None:
             self._submit(chunk)
@@ -303,7 +307,7 @@ class Pipeline:
                 self._cv.wait(min(left, 0.5))
             slot = free[0]
             self._d2h_next = (slot.index + 1) % n
-            chunk = Chunk(self._next_seq(), cur.micro, cur.final, slot, cur.hparams, cur.speculative)
+            chunk = Chunk(self._next_seq(), cur.micro, cur.final, slot, cur.hparams, cur.speculative, cur.deferred)
             slot.owner = chunk.seq
         self._open = chunk
 

@@ -139,6 +139,17 @@ class StepValidator:
         if late:
             self.late *= factor
 
+    def defers(self) -> bool:
+        """Whether the window's last backward holds its AdamW chunks back until the factor
+        is final, instead of stepping them speculatively.
+
+        NOTE: a redo (rollback plus a second step) costs two passes over the state after
+        backward; stepping once with the final factor costs one. A window is deferred when
+        the last one ended with a factor other than 1 (it clipped, or was scaled after its
+        last backward): the factor will almost surely differ again, so speculating would
+        only add the rollback. A run that never clips speculates with factor 1 every step."""
+        return self.algorithm == "adamw" and self.predicted != 1.0
+
     def speculative_scale(self) -> float:
         """The factor the window's last backward steps with."""
         return self.scale * self.predicted

@@ -9,9 +9,11 @@ import warnings
 import pytest
 import torch
 
+from cpu_offload._full import validation
 from cpu_offload._full.optimizer import FullCPUOffloadOptimizer
-from helpers import (LOSS_SCALES, SMALL, STEPS, batches, build, check_unchanged, fp32_reference, normwise,
-                     snapshot, train, train_step)
+from cpu_offload.reference import adamw_reference_
+from helpers import (LOSS_SCALES, SMALL, STEPS, batches, build, capture, check_unchanged, fp32_reference, named,
+                     normwise, snapshot, train, train_step)
 
 # Norms up to 50x max_norm, changing 10-40x from step to step: the speculative step's
 # factor (the last step's coefficient) is far from the final one.
@@ -53,6 +55,48 @@ def test_clipped_steps_match_torch(k, grad_copy, scales, clip):
             assert normwise(ours["exp_avg_sq"], st["exp_avg_sq"]) < 1e-5, n
         assert torch.equal(p.detach(), ours["master"].to(torch.bfloat16)), n
     assert off.stats()["clip_coef"] is not None and off.stats()["skipped_steps"] == 0
+
+
+@pytest.mark.parametrize("k, grad_copy", [(1, "host"), (1, "device"), (2, "device")])
+def test_after_a_clipped_step_each_step_runs_once_with_its_final_coefficient(k, grad_copy, monkeypatch):
+    """Once a step clipped, the next windows are not stepped speculatively (a redo costs a
+    rollback and a second step): each is stepped once with its own coefficient, without a
+    rollback, and equals the reference on the state before it bit for bit."""
+    rollbacks = []
+    real = validation.rollback_adamw_pieces_
+    monkeypatch.setattr(validation, "rollback_adamw_pieces_",
+                        lambda *a, **kw: (rollbacks.append(len(a[0])), real(*a, **kw))[1])
+    model, opt = build("adamw")
+    grads = capture(model)  # registered first: runs before the offload hook
+    off = FullCPUOffloadOptimizer(opt, grad_accum_steps=k, grad_copy=grad_copy, **SMALL)
+    for s in range(6):
+        before = snapshot(off)
+        grads.clear()
+        rollbacks.clear()
+        train_step(model, off, s, k, loss_factor=LOSS_SCALES[s % len(LOSS_SCALES)])
+        off.clip_grad_norm_(1e-3)  # clips every step, by a coefficient that changes each time
+        off.step()
+        coef = off.stats()["clip_coef"]
+        assert coef < 1.0
+        if s == 0:
+            assert rollbacks, "the first clipped step speculated with factor 1: it is redone"
+            off.zero_grad()
+            continue
+        assert rollbacks == [], s
+        for name, rec in named(model, off).items():
+            master, exp_avg, exp_avg_sq, step = (t.clone() if torch.is_tensor(t) else t for t in before[rec.name])
+            if name not in grads:
+                assert torch.equal(rec.master, master) and rec.step == step, (s, name)
+                continue
+            group = off.param_groups[rec.group]
+            grad = sum(grads[name][1:], grads[name][0].clone()).reshape(-1)  # fp32 sum in arrival order
+            adamw_reference_(master, grad, exp_avg, exp_avg_sq, step + 1, lr=group["lr"], beta1=group["betas"][0],
+                             beta2=group["betas"][1], eps=group["eps"], weight_decay=group["weight_decay"],
+                             grad_scale=coef)
+            assert rec.step == step + 1, (s, name)
+            assert torch.equal(rec.master, master) and torch.equal(rec.exp_avg, exp_avg), (s, name)
+            assert torch.equal(rec.exp_avg_sq, exp_avg_sq), (s, name)
+        off.zero_grad()
 
 
 @pytest.mark.parametrize("k", [1, 2])
