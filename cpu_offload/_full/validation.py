@@ -16,9 +16,9 @@
 #   - a factor that differs from the one applied (max_grad_norm, clip_grad_norm_,
 #     scale_grads_): rolled back and stepped again with the new factor. A step
 #     that does not clip keeps factor 1 and is never touched;
-#   - chunks the runner held back (their speculative g*g could overflow float32, which
-#     no rollback undoes): the stepped ones are rolled back and all are stepped with the
-#     final factor.
+#   - chunks the runner held back (the window deferred its step, see ``defers``, or their
+#     speculative g*g could overflow float32, which no rollback undoes): the stepped ones
+#     are rolled back and all are stepped with the final factor.
 # The window's gradients stay available for this until it closes: the host
 # accumulators (grad_accum_steps > 1) or, without accumulation,
 # ``ParamRecord.retained``: the host copy the chunk runner keeps of each gradient
