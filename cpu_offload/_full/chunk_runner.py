@@ -16,7 +16,7 @@ import collections
 import math
 import time
 from dataclasses import dataclass
-from typing import Any, Callable, Optional
+from typing import Any, Callable, NamedTuple, Optional
 
 import torch
 
@@ -24,7 +24,7 @@ from cpu_offload import kernels
 from cpu_offload._full.packing import align_up
 from cpu_offload._full.transfer import HostRing, Slot, wait_until
 
-__all__ = ["ChunkRunner"]
+__all__ = ["ChunkRunner", "SteppedPiece"]
 
 _PLAN_CACHE_MAX = 4096
 # Largest |factor * g| whose square, times (1 - beta2) <= 1, stays far from float32's
@@ -32,15 +32,51 @@ _PLAN_CACHE_MAX = 4096
 _SAFE_GRAD = 2.0**61
 
 
+class SteppedPiece(NamedTuple):
+    """A piece the window's step has stepped: what a rollback needs to undo it."""
+
+    rec: Any  # ParamRecord
+    start: int
+    numel: int
+    step: int  # the count its step used (1 for the first)
+    hparams: dict  # those of its step, grad_scale included
+
+
+class _AccumulateCall(NamedTuple):
+    accumulators: list
+    grads: list
+    add: bool  # add to the accumulators (True) or overwrite them
+
+
+class _OptimizerCall(NamedTuple):
+    """One kernel call: the pieces of one group with the same gradient and compute dtypes."""
+
+    group: int
+    recs: list
+    params: list
+    grads: list
+    exp_avgs: list
+    exp_avg_sqs: list
+    steps: torch.Tensor  # int64, refilled with the records' counts before each call
+    outs: list  # the compute copies' views in the h2d slot
+
+
+class _ComputeCopy(NamedTuple):
+    rec: Any  # ParamRecord
+    start: int
+    numel: int
+    out: torch.Tensor  # its view in the h2d slot
+
+
 @dataclass(eq=False)
 class _Plan:
     """Per-chunk tensor lists, built once per chunk layout and reused, so the
     kernels see the same tensor objects every step (their validation is cached)."""
 
-    accum_calls: list  # (accumulators, grads, add)
+    accumulate_calls: list  # of _AccumulateCall
     retain_copies: list  # (host copy of the gradient, slot view): without accumulation
-    opt_calls: list  # (group, recs, params, grads, exp_avgs, exp_avg_sqs, steps, outs)
-    copies: list  # (rec, start, numel, out view)
+    optimizer_calls: list  # of _OptimizerCall
+    copies: list  # of _ComputeCopy
     h2d_bytes: int
 
 
@@ -48,19 +84,27 @@ class ChunkRunner:
     """Runs chunks on the worker thread.
 
     Args:
-        transfer, algorithm, h2d, accumulate, timeout_s: as for the Pipeline.
+        transfer, algorithm, h2d, accumulate, timeout_s, copy_grads: as for the Pipeline.
+        track_norms: read (or compute) each optimizer chunk's gradient norms before stepping it.
+        skip_nonfinite: a non-finite gradient stops the window's remaining steps.
+        device_norms: per record index, |g|_2 copied from the device (None with accumulation).
         stats: the Counter the figures go to; lock: guards it and the slots.
         release: called (lock held) once the chunk's gradients have been read.
         diagnose: the pipeline's diagnostic, for timeouts.
     """
 
     def __init__(self, *, transfer, algorithm: str, h2d: HostRing, accumulate: bool, timeout_s: float,
+                 track_norms: bool, skip_nonfinite: bool, copy_grads: bool, device_norms: Optional[torch.Tensor],
                  stats: collections.Counter, lock, release: Callable, diagnose: Callable[[], str]) -> None:
         self.transfer = transfer
         self.algorithm = algorithm
         self.h2d = h2d
         self.accumulate = accumulate
         self.timeout_s = timeout_s
+        self.track_norms = track_norms
+        self.skip_nonfinite = skip_nonfinite
+        self.copy_grads = copy_grads
+        self.device_norms = device_norms
         self.stats = stats
         self._lock = lock
         self._release = release
@@ -68,16 +112,12 @@ class ChunkRunner:
         self._h2d_next = 0
         self._plans: dict = {}
         self.phase = ""
-        self.track_norms = False  # read or compute each optimizer chunk's gradient norms first
-        self.skip_nonfinite = False  # a non-finite gradient stops the window's remaining steps
-        self.copy_grads = False  # keep a host copy of each stepped gradient (ParamRecord.retained)
-        self.device_norms: Optional[torch.Tensor] = None  # per record index: |g|_2 from the device (no accumulation)
         self.reset_window()
 
     def reset_window(self) -> None:
         self.nonfinite = False  # a gradient of this window is NaN or Inf
         self.held_back = False  # a chunk was not stepped speculatively (deferred, or its g*g could overflow)
-        self.stepped: list = []  # (rec, start, numel, step used, hparams) of each stepped piece
+        self.stepped: list[SteppedPiece] = []  # each piece this window's step has stepped
 
     def forget_plans(self) -> None:
         self._plans.clear()
@@ -100,8 +140,8 @@ class ChunkRunner:
             plan = self._plan(chunk, out_slot)
             self.phase = "accumulate"
             t0 = time.perf_counter()
-            for accs, grads, add in plan.accum_calls:
-                kernels.accumulate_(accs, grads, add)
+            for call in plan.accumulate_calls:
+                kernels.accumulate_(call.accumulators, call.grads, call.add)
             for kept, grad in plan.retain_copies:
                 kept.copy_(grad)
             t1 = time.perf_counter()
@@ -113,20 +153,21 @@ class ChunkRunner:
                     self._release(chunk)
                 return
             self.phase = "optimizer kernel"
-            for group, recs, params, grads, m, v, steps, outs in plan.opt_calls:
-                hp = chunk.hparams[group]
+            for call in plan.optimizer_calls:
+                hp = chunk.hparams[call.group]
                 if self.algorithm == "adamw":
                     # steps hold the counts before this step; the kernel increments
                     # them and uses step+1 in the bias corrections, like torch.
-                    steps.copy_(torch.tensor([r.step for r in recs], dtype=torch.int64))
-                    kernels.adamw_step(params, grads, m, v, steps, lr=hp["lr"], beta1=hp["beta1"], beta2=hp["beta2"],
-                                       eps=hp["eps"], weight_decay=hp["weight_decay"], grad_scale=hp["grad_scale"],
-                                       compute_params=outs)
+                    call.steps.copy_(torch.tensor([r.step for r in call.recs], dtype=torch.int64))
+                    kernels.adamw_step(call.params, call.grads, call.exp_avgs, call.exp_avg_sqs, call.steps,
+                                       lr=hp["lr"], beta1=hp["beta1"], beta2=hp["beta2"], eps=hp["eps"],
+                                       weight_decay=hp["weight_decay"], grad_scale=hp["grad_scale"],
+                                       compute_params=call.outs)
                 else:
-                    kernels.sign_sgd_step(params, grads, lr=hp["lr"], weight_decay=hp["weight_decay"],
-                                          compute_params=outs)
+                    kernels.sign_sgd_step(call.params, call.grads, lr=hp["lr"], weight_decay=hp["weight_decay"],
+                                          compute_params=call.outs)
             if chunk.final:
-                self.stepped.extend((p.rec, p.start, p.numel, p.rec.step + 1, chunk.hparams[p.rec.group])
+                self.stepped.extend(SteppedPiece(p.rec, p.start, p.numel, p.rec.step + 1, chunk.hparams[p.rec.group])
                                     for p in chunk.pieces)
             t2 = time.perf_counter()
             with self._lock:
@@ -136,16 +177,14 @@ class ChunkRunner:
                 self._release(chunk)
             if out_slot is not None:
                 self.phase = "issuing h2d copies"
-                copies = [(rec.local().detach().view(-1)[start : start + n], out) for rec, start, n, out in plan.copies]
+                copies = [(c.rec.local().detach().view(-1)[c.start : c.start + c.numel], c.out) for c in plan.copies]
                 out_slot.marker = self.transfer.h2d_copies(copies)
                 with self._lock:
                     self.stats["h2d_bytes"] += plan.h2d_bytes
                 # NOTE: counted after the copies are issued: from here on the master,
                 # the moments and (once the copy lands) the compute copy are the new ones.
                 for p in chunk.pieces:
-                    p.rec.pieces_done += 1
-                    if p.rec.pieces_done == p.rec.pieces_total:
-                        p.rec.step += 1
+                    p.rec.piece_stepped()
         finally:
             if out_slot is not None:
                 out_slot.owner = None
@@ -229,12 +268,12 @@ class ChunkRunner:
                 m.append(p.rec.exp_avg[p.start : end])
                 v.append(p.rec.exp_avg_sq[p.start : end])
             outs.append(out)
-            copies.append((p.rec, p.start, p.numel, out))
+            copies.append(_ComputeCopy(p.rec, p.start, p.numel, out))
         if out_off > (0 if out_slot is None else out_slot.nbytes):
             raise AssertionError(f"compute copies of {chunk.describe()} overflow the h2d slot")
-        accum_calls = [(a, g, add) for (add, _), (a, g) in accum.items()]
-        opt_calls = [
-            (group, recs, params, grads, m, v, torch.zeros(len(recs), dtype=torch.int64), outs)
+        accumulate_calls = [_AccumulateCall(a, g, add) for (add, _), (a, g) in accum.items()]
+        optimizer_calls = [
+            _OptimizerCall(group, recs, params, grads, m, v, torch.zeros(len(recs), dtype=torch.int64), outs)
             for (group, _, _), (recs, params, grads, m, v, outs) in opt.items()
         ]
-        return _Plan(accum_calls, retain_copies, opt_calls, copies, h2d_bytes)
+        return _Plan(accumulate_calls, retain_copies, optimizer_calls, copies, h2d_bytes)

@@ -65,6 +65,35 @@ class ParamRecord:
         may replace the local tensor object when it re-pads)."""
         return local_of(self.param) if self.is_dtensor else self.param
 
+    # NOTE: the window's step count moves only through these methods: the pipeline plans a
+    # step in pieces, the worker marks each piece stepped (the step counts with the last
+    # one), a rollback undoes it.
+    def plan_step(self, pieces: int) -> None:
+        """This window's optimizer step comes in ``pieces`` pieces, none stepped yet."""
+        self.pieces_total, self.pieces_done = pieces, 0
+
+    def piece_stepped(self) -> None:
+        """One more piece was stepped (worker thread); the last one counts the step."""
+        self.pieces_done += 1
+        if self.pieces_done == self.pieces_total:
+            self.step += 1
+
+    @property
+    def stepped(self) -> bool:
+        """Every piece of this window's step was stepped: the step counted."""
+        return self.pieces_total > 0 and self.pieces_done == self.pieces_total
+
+    @property
+    def torn(self) -> bool:
+        """Some pieces of this window's step were stepped, not all."""
+        return 0 < self.pieces_done < self.pieces_total
+
+    def undo_step(self) -> None:
+        """The stepped pieces were rolled back: the step no longer counts."""
+        if self.stepped:
+            self.step -= 1
+        self.pieces_done = 0
+
     def reset_window(self) -> None:
         self.has_accum = False
         self.arrived = -1

@@ -208,7 +208,7 @@ class FullCPUOffloadOptimizer(WindowControls, torch.optim.Optimizer):
         self._accumulate = accumulate
         self._transfer = transfer
         self.grad_copy = grad_copy
-        self._validator = StepValidator(records=records, pipeline=self._pipeline, transfer=transfer,
+        self._validator = StepValidator(records=records, pipeline=self._pipeline,
                                         algorithm=self._algorithm, accumulate=accumulate, grad_copy=grad_copy,
                                         skip_nonfinite=skip_nonfinite, max_grad_norm=max_grad_norm,
                                         stacklevel=_user_stacklevel)

@@ -52,6 +52,17 @@ class Pass:
 
 
 @dataclass(eq=False)
+class _Staging:
+    """A parameter whose gradient is being staged: the placements issued so far."""
+
+    rec: ParamRecord
+    grad: torch.Tensor  # flat
+    add: bool
+    placements: list  # of packing.Placement
+    issued: int = 0  # placements whose copy was issued
+
+
+@dataclass(eq=False)
 class Chunk:
     seq: int
     micro: int  # micro-batch index within the accumulation window
@@ -97,14 +108,13 @@ class Pipeline:
         self.timeout_s = timeout_s
         self.stats = collections.Counter()
         self._cv = threading.Condition()
+        device_norms = (torch.zeros(norm_slots, dtype=torch.float64, pin_memory=transfer.pin)
+                        if norm_slots and not accumulate else None)
         self._runner = ChunkRunner(transfer=transfer, algorithm=algorithm, h2d=h2d, accumulate=accumulate,
-                                   timeout_s=timeout_s, stats=self.stats, lock=self._cv, release=self._release_input,
-                                   diagnose=self.diagnose)
-        self._runner.copy_grads = copy_grads
-        self._runner.track_norms = norm_slots > 0
-        self._runner.skip_nonfinite = skip_nonfinite and norm_slots > 0
-        if norm_slots and not accumulate:
-            self._runner.device_norms = torch.zeros(norm_slots, dtype=torch.float64, pin_memory=transfer.pin)
+                                   timeout_s=timeout_s, track_norms=norm_slots > 0,
+                                   skip_nonfinite=skip_nonfinite and norm_slots > 0, copy_grads=copy_grads,
+                                   device_norms=device_norms, stats=self.stats, lock=self._cv,
+                                   release=self._release_input, diagnose=self.diagnose)
         self._queue: collections.deque = collections.deque()
         self._open: Optional[Chunk] = None
         self._busy: Optional[Chunk] = None
@@ -113,8 +123,7 @@ class Pipeline:
         self._cur = Pass()
         self._error: Optional[tuple] = None  # the worker's failure, until taken by the caller
         self._failed = False  # skip chunks until the window that failed is closed
-        # A parameter whose staging was interrupted: (rec, flat grad, add, placements, next index).
-        self._staging: Optional[tuple] = None
+        self._staging: Optional[_Staging] = None  # a parameter whose staging an exception interrupted
         self._stop = False
         self._thread = threading.Thread(target=self._run, name="cpu_offload-worker", daemon=True)
         self._thread.start()
@@ -139,7 +148,7 @@ class Pipeline:
 
     @property
     def stepped(self) -> list:
-        """``(rec, start, numel, step used, hparams)`` of every piece stepped in this window."""
+        """Every piece stepped in this window (``chunk_runner.SteppedPiece``)."""
         return self._runner.stepped
 
     @property
@@ -176,7 +185,7 @@ class Pipeline:
         if self._cur.final:
             # NOTE: set before any piece is queued: the runner counts the step when
             # it has processed this many pieces, whichever chunk finishes last.
-            rec.pieces_total, rec.pieces_done = len(placements), 0
+            rec.plan_step(len(placements))
             if self._runner.device_norms is not None:
                 norm = torch.linalg.vector_norm(grad, dtype=torch.float64)  # NOTE: float64: see grad_norms.py
         self.transfer.grad_ready()
@@ -184,7 +193,7 @@ class Pipeline:
             # NOTE: queued before the pieces, so the marker of the chunk holding the
             # first piece also covers this copy: the runner reads it before stepping.
             self.transfer.d2h_copy(self._runner.device_norms[rec.index : rec.index + 1], norm.reshape(1))
-        self._staging = (rec, grad, add, placements, 0)
+        self._staging = _Staging(rec, grad, add, placements)
         self._issue_staged()
 
     def resume_staging(self) -> bool:
@@ -198,20 +207,19 @@ class Pipeline:
         self._staging = None
 
     def _issue_staged(self) -> None:
-        rec, grad, add, placements, i = self._staging
-        dtype = torch.bfloat16 if grad.dtype == torch.bfloat16 else torch.float32
-        while i < len(placements):
-            pl: Placement = placements[i]
+        st = self._staging
+        dtype = torch.bfloat16 if st.grad.dtype == torch.bfloat16 else torch.float32
+        while st.issued < len(st.placements):
+            pl: Placement = st.placements[st.issued]
             if pl.new_chunk:
                 self._close_open()
                 self._open_chunk()
             chunk = self._open
-            chunk.pieces.append(Piece(rec, pl.start, pl.numel, pl.offset, dtype, add))
+            chunk.pieces.append(Piece(st.rec, pl.start, pl.numel, pl.offset, dtype, st.add))
             chunk.used = align_up(pl.offset + pl.numel * dtype.itemsize)
-            self.transfer.d2h_copy(chunk.slot.view(pl.offset, pl.numel, dtype), grad[pl.start : pl.start + pl.numel])
+            self.transfer.d2h_copy(chunk.slot.view(pl.offset, pl.numel, dtype), st.grad[pl.start : pl.start + pl.numel])
             self.stats["d2h_bytes"] += pl.numel * dtype.itemsize
-            i += 1
-            self._staging = (rec, grad, add, placements, i)
+            st.issued += 1
             if pl.close_after:
                 self._close_open()
         self._staging = None
@@ -225,7 +233,7 @@ class Pipeline:
         chunk, used = None, None
         for rec in recs:
             placements, used = place(rec.numel, rec.local().element_size(), cap, used)
-            rec.pieces_total, rec.pieces_done = len(placements), 0
+            rec.plan_step(len(placements))
             for pl in placements:
                 if pl.new_chunk:
                     if chunk is not None:
@@ -234,6 +242,24 @@ class Pipeline:
                 chunk.pieces.append(Piece(rec, pl.start, pl.numel, -1, torch.float32, True))
         if chunk is not None:
             self._submit(chunk)
+
+    def restep(self, recs: list, hparams: list, *, grads_on_host: bool) -> None:
+        """Step ``recs`` again after validation rolled their speculative step back (or held
+        it back): a fresh final pass over the window's gradients with ``hparams``, read from
+        the host (accumulators or kept copies: ``grads_on_host``) or from the device
+        (``ParamRecord.retained``); drained, a worker failure raised."""
+        self.reset_window()
+        for rec in recs:
+            rec.grad_sq = 0.0
+        self.begin_backward(micro=0, final=True, hparams=hparams)
+        if grads_on_host:
+            self.stage_from_host(recs)
+        else:
+            for rec in recs:
+                self.stage_grad(rec, rec.retained, add=False)
+        self.drain()
+        self.transfer.compute_waits_for_h2d()
+        self.raise_error()
 
     def end_backward(self) -> None:
         """Queue the open chunk."""

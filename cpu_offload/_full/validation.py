@@ -54,16 +54,16 @@ class StepValidator:
     """Per-optimizer validation state; one object shared by the wrapper and its proxies.
 
     Args:
-        records, pipeline, transfer, algorithm, accumulate, grad_copy: the wrapper's.
+        records, pipeline, algorithm, accumulate, grad_copy: the wrapper's.
         skip_nonfinite: skip a step whose gradients hold NaN or Inf on any rank.
         max_grad_norm: clip every step to this total 2-norm (None: only on request).
         stacklevel: returns the ``stacklevel`` of a warning aimed at the user's code.
     """
 
-    def __init__(self, *, records, pipeline, transfer, algorithm: str, accumulate: bool, grad_copy: Optional[str],
+    def __init__(self, *, records, pipeline, algorithm: str, accumulate: bool, grad_copy: Optional[str],
                  skip_nonfinite: bool,
                  max_grad_norm: Optional[float], stacklevel: Callable[[], int]) -> None:
-        self.records, self.pipeline, self.transfer = records, pipeline, transfer
+        self.records, self.pipeline = records, pipeline
         self.algorithm, self.accumulate = algorithm, accumulate
         self.from_host = grad_copy != "device"  # the redo reads the host accumulators or copies
         self.skip_nonfinite, self.max_grad_norm = skip_nonfinite, max_grad_norm
@@ -181,7 +181,7 @@ class StepValidator:
         if self.skipped or self.algorithm == "sign_sgd":
             return
         held_back = self.pipeline.held_back
-        if not held_back and (not stepped or all(hp["grad_scale"] == self.scale for *_, hp in stepped)):
+        if not held_back and (not stepped or all(piece.hparams["grad_scale"] == self.scale for piece in stepped)):
             return
         hparams = [dict(hp, grad_scale=self.scale) for hp in self.pipeline.hparams]
         # NOTE: the rollback and the redo change every stepped parameter one after another;
@@ -190,18 +190,7 @@ class StepValidator:
             self._rollback(stepped)
             # every parameter staged for this step: stepped, held back or zero-filled
             recs = [r for r in self.records if r.pieces_total > 0]
-            self.pipeline.reset_window()
-            for rec in recs:
-                rec.grad_sq = 0.0
-            self.pipeline.begin_backward(micro=0, final=True, hparams=hparams)
-            if self.from_host:
-                self.pipeline.stage_from_host(recs)
-            else:
-                for rec in recs:
-                    self.pipeline.stage_grad(rec, rec.retained, add=False)
-            self.pipeline.drain()
-            self.transfer.compute_waits_for_h2d()
-            self.pipeline.raise_error()
+            self.pipeline.restep(recs, hparams, grads_on_host=self.from_host)
             note_versions(recs)
 
     def _skip(self) -> None:
@@ -229,7 +218,7 @@ class StepValidator:
         names = _ADAMW_HPARAMS if self.algorithm == "adamw" else _SIGN_SGD_HPARAMS
         groups: dict = {}  # (hparams, grad dtype, moment dtype) -> ([master], [grad], [exp_avg], [exp_avg_sq], [step])
         with torch.no_grad():
-            for rec, start, numel, step, hp in stepped:
+            for rec, start, numel, step, hp in stepped:  # chunk_runner.SteppedPiece
                 piece = slice(start, start + numel)
                 if self.accumulate:
                     grad = rec.accum[piece]
@@ -256,7 +245,5 @@ class StepValidator:
                 else:
                     rollback_sign_sgd_pieces_(masters, grads, **hp)
         for rec in recs.values():
-            if rec.pieces_total and rec.pieces_done == rec.pieces_total:
-                rec.step -= 1  # it was counted
-            rec.pieces_done = 0
+            rec.undo_step()
         return list(recs.values())

@@ -55,8 +55,8 @@ def salvage_window(records, pipeline, transfer) -> tuple[list, list]:
         pipeline.drain()
         transfer.compute_waits_for_h2d()
     finally:
-        stepped = [r for r in records if r.pieces_total and r.pieces_done == r.pieces_total]
-        torn = [r.name for r in records if 0 < r.pieces_done < r.pieces_total]
+        stepped = [r for r in records if r.stepped]
+        torn = [r.name for r in records if r.torn]
         note_versions(stepped)
     return stepped, torn
 
