@@ -184,9 +184,49 @@ def expected(kind, init, history, *, exact, moment_dtype=torch.float32):
     return {n: p.detach() for n, p in params.items()}
 
 
+# ------------------------------------------------ the optimizers' internals
+# NOTE: the tests' only ways into the wrappers' private state, for what the public API does
+# not show (host records and their window marks, rollback calls, host bytes, the protocol
+# phase, staging rings): a rename inside the library changes these lines only.
+
+
+def records_of(off) -> list:
+    """A FullCPUOffloadOptimizer's host records (host_state.ParamRecord), in state_dict order."""
+    return off._records
+
+
+def host_bytes_of(off) -> int:
+    return off._host.nbytes
+
+
+def phase_of(off):
+    return off._proto.phase
+
+
+def staging_rings_of(off) -> tuple:
+    """The (d2h, h2d) pinned rings of a FullCPUOffloadOptimizer."""
+    return off._pipeline.d2h, off._pipeline.h2d
+
+
+def window_records_of(off) -> list:
+    """The records holding a gradient of the open window."""
+    return off._validator.window_records()
+
+
+def watch_rollbacks(off, seen) -> None:
+    """Call ``seen(stepped pieces)`` before each rollback of ``off``'s validator."""
+    real = off._validator._rollback
+    off._validator._rollback = lambda stepped: (seen(stepped), real(stepped))[1]
+
+
+def state_staging_of(opt):
+    """A StateOffloadOptimizer's staging (_state/staging.py)."""
+    return opt._staging
+
+
 def named(model, off):
     by_id = {id(p): n for n, p in model.named_parameters()}
-    return {by_id[id(rec.param)]: rec for rec in off._records}
+    return {by_id[id(rec.param)]: rec for rec in records_of(off)}
 
 
 # ------------------------------------------------ clipping and the non-finite guard
@@ -229,7 +269,7 @@ def fp32_reference(kind, init):
     return params, type(opt)(groups, lr=groups[0]["lr"])
 
 def snapshot(off):
-    return {r.name: (r.master.clone(), r.exp_avg.clone(), r.exp_avg_sq.clone(), r.step) for r in off._records}
+    return {r.name: (r.master.clone(), r.exp_avg.clone(), r.exp_avg_sq.clone(), r.step) for r in records_of(off)}
 
 
 def train_step(model, off, s, k, *, loss_factor=1.0):
@@ -238,7 +278,7 @@ def train_step(model, off, s, k, *, loss_factor=1.0):
 
 
 def check_unchanged(off, before, weights):
-    for r in off._records:
+    for r in records_of(off):
         m, ea, eas, st = before[r.name]
         assert torch.equal(r.master, m) and torch.equal(r.exp_avg, ea) and torch.equal(r.exp_avg_sq, eas), r.name
         assert r.step == st and torch.equal(r.param.detach(), weights[r.name]), r.name
@@ -374,6 +414,68 @@ def loss_report(name: str, got, want) -> tuple[float, str]:
             f"first {got[0]:.5f} vs {want[0]:.5f}, last {got[-1]:.5f} vs {want[-1]:.5f}")
     print(line)
     return diff, line
+
+
+REPLAY_HP = dict(lr=1e-2, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1)
+
+
+class ReplayRun:
+    """A model wrapped by full offload (AdamW with REPLAY_HP), the fp32 sum of the gradients
+    each window delivered to the optimizer (``window``: name -> sum, emptied by the test at
+    each window), and torch AdamW on fp32 copies of the initial weights to replay them.
+    Subclasses build the model (seeded) and define ``backward``."""
+
+    def __init__(self, model, *, k=1, seed=0, **opts):
+        self.model = model
+        self.init = {n: p.detach().clone() for n, p in model.named_parameters()}
+        self.window = {}
+        for n, p in model.named_parameters():
+            if p.requires_grad:  # registered first: runs before the offload hook
+                p.register_post_accumulate_grad_hook(lambda p, n=n: self._seen(n, p))
+        self.opt = FullCPUOffloadOptimizer(torch.optim.AdamW(model.parameters(), **REPLAY_HP), grad_accum_steps=k,
+                                           **{**SMALL, **opts})
+        self.ref_params = {n: nn.Parameter(t.float().clone()) for n, t in self.init.items()}
+        self.ref = torch.optim.AdamW(list(self.ref_params.values()), **REPLAY_HP)
+        self.gen = torch.Generator().manual_seed(seed + 1)
+
+    def _seen(self, n, p):
+        g = p.grad.detach().float().clone()
+        self.window[n] = self.window[n] + g if n in self.window else g
+
+    def ref_step(self, grads, zero_held=()):
+        """One torch AdamW step with ``grads``; names without one are skipped, as torch skips
+        them, or stepped with zeros when in ``zero_held`` (a zeroed ``.grad``)."""
+        for n, p in self.ref_params.items():
+            p.grad = grads[n].clone() if n in grads else torch.zeros_like(p) if n in zero_held else None
+        self.ref.step()
+
+    def names(self) -> dict:
+        return {id(p): n for n, p in self.model.named_parameters()}
+
+    def steps(self) -> dict:
+        names = self.names()
+        return {names[id(r.param)]: r.step for r in records_of(self.opt)}
+
+    def ref_steps(self) -> dict:
+        """torch's step counts of the parameters full offload holds (the trainable ones)."""
+        held = self.steps()
+        return {n: int(self.ref.state[p]["step"]) if p in self.ref.state else 0 for n, p in self.ref_params.items()
+                if n in held}
+
+    def masters(self) -> dict:
+        names = self.names()
+        return {names[id(r.param)]: r.master.clone() for r in records_of(self.opt)}
+
+    def check(self):
+        """Step counts equal torch's; masters within float32 rounding of torch's weights; each
+        compute copy is its master rounded."""
+        assert self.steps() == self.ref_steps()
+        names = self.names()
+        for rec in records_of(self.opt):
+            n = names[id(rec.param)]
+            torch.testing.assert_close(rec.master.view(rec.shape), self.ref_params[n].detach(), rtol=1e-5, atol=1e-6,
+                                       msg=n)
+            assert torch.equal(rec.param.detach(), rec.master.view(rec.shape).to(rec.param.dtype)), n
 
 
 class FullOffloadMaker:

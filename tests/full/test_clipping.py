@@ -12,8 +12,9 @@ import torch
 from cpu_offload._full import validation
 from cpu_offload._full.optimizer import FullCPUOffloadOptimizer
 from cpu_offload.reference import adamw_reference_
-from helpers import (LOSS_SCALES, SMALL, STEPS, batches, build, capture, check_unchanged, fp32_reference, named,
-                     normwise, snapshot, train, train_step)
+from helpers import (LOSS_SCALES, SMALL, STEPS, batches, build, capture, check_unchanged, fp32_reference,
+                     host_bytes_of, named, normwise, records_of, snapshot, train, train_step, watch_rollbacks,
+                     window_records_of)
 
 # Norms up to 50x max_norm, changing 10-40x from step to step: the speculative step's
 # factor (the last step's coefficient) is far from the final one.
@@ -151,7 +152,7 @@ def test_nan_loss_skips_the_step_bit_identically(k):
     off = FullCPUOffloadOptimizer(opt, grad_accum_steps=k, **SMALL)
     for s in range(4):
         before = snapshot(off)
-        weights = {r.name: r.param.detach().clone() for r in off._records}
+        weights = {r.name: r.param.detach().clone() for r in records_of(off)}
         if s == 2:
             with pytest.warns(RuntimeWarning, match="step skipped"):  # decided when the last backward ends
                 train_step(model, off, s, k, loss_factor=math.nan)
@@ -176,8 +177,7 @@ def test_inf_in_one_gradient_rolls_back_what_was_stepped(k, grad_copy):
     armed = []
     model.l1.weight.register_hook(lambda g: g.index_fill(1, torch.tensor([3]), math.inf) if armed else g)
     rolled_back = []
-    real = off._validator._rollback
-    off._validator._rollback = lambda stepped: rolled_back.append(len(stepped)) or real(stepped)
+    watch_rollbacks(off, lambda stepped: rolled_back.append(len(stepped)))
     for s in range(3):
         armed[:] = [True] if s == 1 else []
         before = snapshot(off)
@@ -185,7 +185,7 @@ def test_inf_in_one_gradient_rolls_back_what_was_stepped(k, grad_copy):
             with pytest.warns(RuntimeWarning, match="step skipped"):
                 train_step(model, off, s, k)
             assert rolled_back and rolled_back[0] > 0  # some pieces really were stepped first
-            for r in off._records:
+            for r in records_of(off):
                 m, ea, eas, st = before[r.name]
                 assert r.step == st, r.name
                 for now, then in ((r.master, m), (r.exp_avg, ea), (r.exp_avg_sq, eas)):
@@ -218,7 +218,7 @@ def test_inf_norm_and_idle_and_bad_arguments():
     model, off, init, history, norms = train("adamw", 1, 1)
     x, extra = batches(5, 1)[0]
     model(x.to(torch.bfloat16), use_extra=extra).float().pow(2).mean().backward()
-    grads = [g for g in off._validator.window_records()]
+    grads = [g for g in window_records_of(off)]
     expected = max(float(r.retained.float().abs().max()) for r in grads)
     assert float(off.clip_grad_norm_(1e9, norm_type=math.inf)) == expected
     with pytest.raises(ValueError, match="norm_type"):
@@ -249,10 +249,10 @@ def test_grad_copy_places_and_host_bytes():
     model, opt = build("adamw")
     padded = sum((p.numel() + 15) // 16 * 16 for p in model.parameters() if p.requires_grad)
     off = FullCPUOffloadOptimizer(opt, **SMALL)
-    assert off.grad_copy == "device" and off._host.nbytes == 12 * padded  # the default: nothing more on the host
+    assert off.grad_copy == "device" and host_bytes_of(off) == 12 * padded  # the default: nothing more on the host
     off.close()
     off = FullCPUOffloadOptimizer(build("adamw")[1], grad_copy="host", **SMALL)
-    assert off.grad_copy == "host" and off._host.nbytes == 14 * padded  # + the 2 B bf16 copy
+    assert off.grad_copy == "host" and host_bytes_of(off) == 14 * padded  # + the 2 B bf16 copy
     off.close()
     with pytest.raises(ValueError, match="grad_copy"):
         FullCPUOffloadOptimizer(build("adamw")[1], grad_copy="gpu")

@@ -10,7 +10,7 @@ import torch.nn as nn
 
 import cpu_offload._full.chunk_runner as runner_mod
 from cpu_offload._full.optimizer import FullCPUOffloadOptimizer
-from helpers import SMALL, Net, batches, build, expected, named, run
+from helpers import Net, SMALL, batches, build, expected, named, records_of, run
 
 
 @pytest.mark.parametrize("kind", ["adamw", "sign_sgd"])
@@ -95,7 +95,7 @@ def test_state_dict_format():
 def test_stats_and_bounded_staging():
     model, off, _, _ = run("adamw", 1, 1, **SMALL)
     st = off.stats()
-    grad_elems = sum(r.numel for r in off._records if r.step)
+    grad_elems = sum(r.numel for r in records_of(off) if r.step)
     assert st["d2h_bytes"] == 2 * grad_elems and st["h2d_bytes"] == 2 * grad_elems
     assert st["pinned_bytes"] <= SMALL["pinned_bytes"]
     assert st["kernel_s"] > 0 and st["host_bytes"] > 0
@@ -166,7 +166,7 @@ def test_worker_error_surfaces_with_names(monkeypatch):
             model(x).sum().backward()
     with pytest.warns(RuntimeWarning, match="discarded"):
         off.step()  # raised once; the window it hit is closed and nothing was stepped
-    assert all(r.step == 0 for r in off._records)
+    assert all(r.step == 0 for r in records_of(off))
     off.close()
 
 
@@ -232,7 +232,7 @@ def test_load_state_dict_is_atomic_and_names_the_entry():
     good = copy.deepcopy(off.state_dict())
     before = copy.deepcopy(off.state_dict())
     last = max(good["state"])
-    rec = next(r for r in off._records if r.index == last)
+    rec = next(r for r in records_of(off) if r.index == last)
     bad_cases = [
         (lambda e: e.pop("step"), ValueError, "has no 'step'"),
         (lambda e: e.pop("exp_avg_sq"), ValueError, "has no 'exp_avg_sq'"),
@@ -266,12 +266,12 @@ def test_plain_adamw_checkpoint_takes_masters_from_current_weights():
     off.load_state_dict(plain.state_dict())
     with torch.no_grad():
         model.l1.bias.add_(1.0)  # weights changed after the load win at the next state_dict()
-    bias = next(r for r in off._records if r.param is model.l1.bias)
+    bias = next(r for r in records_of(off) if r.param is model.l1.bias)
     assert torch.equal(off.state_dict()["state"][bias.index]["master"], model.l1.bias.detach().float())
     with torch.no_grad():
         model.l1.bias.sub_(1.0)
     off.state_dict()
-    for rec in off._records:
+    for rec in records_of(off):
         if rec is bias:
             continue
         src = plain_model.get_parameter(next(n for n, p in model.named_parameters() if p is rec.param))

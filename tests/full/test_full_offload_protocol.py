@@ -14,10 +14,7 @@ import torch.nn as nn
 import torch.utils.checkpoint as cp
 
 from cpu_offload._full.optimizer import FullCPUOffloadOptimizer, Phase
-
-SMALL = dict(pinned_bytes=4 * 4096, num_slots=2)
-HP = dict(lr=1e-2, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1)
-
+from helpers import REPLAY_HP, SMALL, ReplayRun, phase_of, records_of, staging_rings_of
 
 class Boom(torch.autograd.Function):
     """Identity whose backward raises ``exc`` when armed."""
@@ -50,49 +47,22 @@ class Net(nn.Module):
         return self.l3(h)
 
 
-class Harness:
-    """A wrapped Net, the gradients each backward delivered, and a torch AdamW replay."""
+class Harness(ReplayRun):
+    """A wrapped Net (``reentrant``: its first gradients arrive in a nested graph task;
+    ``freeze``: parameters frozen before wrapping) and a torch AdamW replay."""
 
     def __init__(self, k=1, reentrant=False, freeze=(), seed=0, **opts):
         torch.manual_seed(seed)
-        self.model = Net(reentrant)
+        model = Net(reentrant)
         for name in freeze:  # frozen parameters are not cast by the optimizer: bf16 like the inputs
-            p = self.model.get_parameter(name)
+            p = model.get_parameter(name)
             p.requires_grad_(False)
             p.data = p.data.to(torch.bfloat16)
-        self.init = {n: p.detach().clone() for n, p in self.model.named_parameters()}
-        self.window = {}  # name -> fp32 sum of the gradients that reached the optimizer this window
-        for n, p in self.model.named_parameters():
-            if p.requires_grad:  # registered first: runs before the offload hook
-                p.register_post_accumulate_grad_hook(lambda p, n=n: self._seen(n, p))
-        self.opt = FullCPUOffloadOptimizer(torch.optim.AdamW(self.model.parameters(), **HP), grad_accum_steps=k,
-                                           **{**SMALL, **opts})
-        self.ref_params = {n: nn.Parameter(t.float().clone()) for n, t in self.init.items()}
-        self.ref = torch.optim.AdamW(list(self.ref_params.values()), **HP)
-        self.gen = torch.Generator().manual_seed(seed + 1)
-
-    def _seen(self, n, p):
-        g = p.grad.detach().float().clone()
-        self.window[n] = self.window[n] + g if n in self.window else g
+        super().__init__(model, k=k, seed=seed, **opts)
 
     def backward(self, x=None):
         x = torch.randn(8, 16, generator=self.gen) if x is None else x
         self.model(x.to(torch.bfloat16)).float().pow(2).mean().backward()
-
-    def ref_step(self, grads):
-        """One torch AdamW step with ``grads`` (names without a gradient are skipped, as torch skips them)."""
-        for n, p in self.ref_params.items():
-            p.grad = grads[n].clone() if n in grads else None
-        self.ref.step()
-
-    def check(self):
-        for rec in self.opt._records:
-            n = next(n for n, p in self.model.named_parameters() if p is rec.param)
-            ref = self.ref_params[n]
-            torch.testing.assert_close(rec.master.view(rec.shape), ref.detach(), rtol=1e-5, atol=1e-6, msg=n)
-            ref_step = int(self.ref.state[ref]["step"]) if ref in self.ref.state else 0
-            assert rec.step == ref_step, (n, rec.step, ref_step)
-            assert torch.equal(rec.param.detach(), rec.master.view(rec.shape).to(rec.param.dtype)), n
 
     def train_normally(self, steps, k=1):
         for _ in range(steps):
@@ -117,7 +87,7 @@ def test_exception_in_final_backward_keeps_state_consistent(exc):
     assert set(h.window) == {"l2.weight", "l2.bias", "l3.weight", "l3.bias"}
     # l2 and l3 were stepped during the failed backward: they count it; l1 got no gradient
     h.ref_step(h.window)
-    assert h.opt._proto.phase is Phase.IDLE
+    assert phase_of(h.opt) is Phase.IDLE
     h.check()
     h.opt.state_dict()  # nothing stays locked
     h.train_normally(2)
@@ -200,7 +170,7 @@ def test_forward_after_final_backward_sees_new_weights_and_second_backward_is_re
         h.window = {}
         h.backward()
         window = dict(h.window)
-        for rec in h.opt._records:  # drained at the end of backward: the compute copy is the new one
+        for rec in records_of(h.opt):  # drained at the end of backward: the compute copy is the new one
             assert torch.equal(rec.param.detach(), rec.master.view(rec.shape).to(rec.param.dtype))
         with pytest.raises(RuntimeError, match=r"call step\(\) \(or zero_grad\(\)\) after every window"):
             h.backward()  # never torch's "modified by an inplace operation"
@@ -237,7 +207,7 @@ def test_zero_grad_set_to_none_false_steps_like_torch():
         zeros = {n: torch.zeros_like(p) for n, p in h.ref_params.items()}
         h.ref_step({**zeros, **h.window})
     h.check()
-    assert h.opt._records[0].step == 4
+    assert records_of(h.opt)[0].step == 4
 
 
 def test_unfrozen_parameter_is_refused_clearly():
@@ -288,7 +258,7 @@ def test_rewrapping_a_model_cast_from_fp16_is_refused():
     torch.manual_seed(int.from_bytes(os.urandom(4), "little"))
     model = nn.Sequential(nn.Linear(16, 32), nn.Linear(32, 4)).half()
     first = FullCPUOffloadOptimizer(torch.optim.AdamW(model.parameters()), **SMALL)
-    real = [r.master.clone() for r in first._records]
+    real = [r.master.clone() for r in records_of(first)]
     first.close()
     del first
     assert model[0].weight.dtype == torch.bfloat16
@@ -304,8 +274,8 @@ def test_rewrapping_a_model_cast_from_fp16_is_refused():
     model.half()  # back to its own dtype: the user accepts the values it holds
     held = [p.detach().float().reshape(-1) for p in model.parameters()]
     again = FullCPUOffloadOptimizer(torch.optim.AdamW(model.parameters()), **SMALL)
-    assert all(torch.equal(r.master, h) for r, h in zip(again._records, held))
-    assert not all(torch.equal(r.master, m) for r, m in zip(again._records, real))  # bf16 rounding lost bits
+    assert all(torch.equal(r.master, h) for r, h in zip(records_of(again), held))
+    assert not all(torch.equal(r.master, m) for r, m in zip(records_of(again), real))  # bf16 rounding lost bits
     again.close()
 
 
@@ -316,11 +286,11 @@ def test_rewrapping_a_parameter_cast_up_to_fp32_is_accepted():
     first = FullCPUOffloadOptimizer(torch.optim.AdamW(model.parameters()), compute_dtype=torch.float32, **SMALL)
     model(torch.randn(4, 16)).pow(2).mean().backward()
     first.step()
-    masters = [r.master.clone() for r in first._records]
+    masters = [r.master.clone() for r in records_of(first)]
     first.close()
     del first
     again = FullCPUOffloadOptimizer(torch.optim.AdamW(model.parameters()), compute_dtype=torch.float32, **SMALL)
-    assert all(torch.equal(r.master, m) for r, m in zip(again._records, masters))
+    assert all(torch.equal(r.master, m) for r, m in zip(records_of(again), masters))
     again.close()
 
 
@@ -330,7 +300,7 @@ def test_worker_error_surfaces_once_then_training_continues():
     h.opt.param_groups[0]["lr"] = float("nan")
     with pytest.raises(ValueError, match=r"param_groups\[0\]\['lr'\] is nan"):
         h.backward()
-    h.opt.param_groups[0]["lr"] = HP["lr"]
+    h.opt.param_groups[0]["lr"] = REPLAY_HP["lr"]
     with pytest.warns(RuntimeWarning, match="0 of 6 parameters"):
         h.opt.zero_grad()
     h.train_normally(2)
@@ -365,8 +335,7 @@ def test_close_frees_rings_and_failed_construction_leaves_model_unchanged(monkey
                     and t.untyped_storage().data_ptr() in ptrs]
     h = Harness()
     h.train_normally(1)
-    ptrs = {h.opt._pipeline.d2h.slots[0].buf.untyped_storage().data_ptr(),
-            h.opt._pipeline.h2d.slots[0].buf.untyped_storage().data_ptr()}
+    ptrs = {ring.slots[0].buf.untyped_storage().data_ptr() for ring in staging_rings_of(h.opt)}
     assert ring_tensors(ptrs)  # the rings are alive while the optimizer is open
     h.opt.close()
     assert not ring_tensors(ptrs)  # close() dropped every view of both rings

@@ -11,8 +11,8 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 import cpu_offload
+from helpers import SMALL, records_of
 
-SMALL = dict(pinned_bytes=4 * 4096, num_slots=2)
 HP = dict(lr=1e-2, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1)
 LOSS_SCALES = [0.3, 4.0, 1.0, 12.0, 0.1, 2.5, 0.7, 5.0]  # clips on most steps, by varying factors
 
@@ -54,7 +54,7 @@ def roundtrip(obj):
 
 
 def host_state(opt):
-    return [(r.master.clone(), r.exp_avg.clone(), r.exp_avg_sq.clone(), r.step) for r in opt._records]
+    return [(r.master.clone(), r.exp_avg.clone(), r.exp_avg_sq.clone(), r.step) for r in records_of(opt)]
 
 
 @pytest.mark.parametrize("state_dtype", [torch.float32, torch.bfloat16])
@@ -126,6 +126,6 @@ def test_plain_adamw_checkpoint_migrates_in_the_usual_resume_order():
         ref(x, s).pow(2).mean().backward()
         ropt.step()
         ropt.zero_grad()
-    for rec, (name, p) in zip(opt._records, ref.named_parameters()):
+    for rec, (name, p) in zip(records_of(opt), ref.named_parameters()):
         # the masters start from the bf16 weights the model holds: bf16 rounding apart
         assert float((rec.master.view(rec.shape) - p.detach()).norm() / p.detach().norm()) < 1e-2, name

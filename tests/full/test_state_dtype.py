@@ -10,7 +10,7 @@ import torch
 import cpu_offload
 from cpu_offload._full.optimizer import FullCPUOffloadOptimizer
 from cpu_offload._full.host_state import host_bytes_needed
-from helpers import SMALL, batches, build, expected, named, run
+from helpers import SMALL, batches, build, expected, host_bytes_of, named, records_of, run
 
 BF16 = dict(SMALL, state_dtype=torch.bfloat16)
 
@@ -42,12 +42,12 @@ def test_moments_are_bf16_and_the_host_bytes_shrink():
     model, opt = build("adamw")
     off = cpu_offload.offload_optimizer(opt, offload="full", state_dtype=torch.bfloat16, grad_copy="host", **SMALL)
     assert isinstance(off, FullCPUOffloadOptimizer)
-    for rec in off._records:
+    for rec in records_of(off):
         assert rec.master.dtype == torch.float32
         assert rec.exp_avg.dtype == rec.exp_avg_sq.dtype == torch.bfloat16
-    padded = sum((r.numel + 15) // 16 * 16 for r in off._records)
-    assert off._host.nbytes == padded * 10  # 4 B master + 2 x 2 B moments + the 2 B bf16 gradient copy
-    recs = off._records
+    padded = sum((r.numel + 15) // 16 * 16 for r in records_of(off))
+    assert host_bytes_of(off) == padded * 10  # 4 B master + 2 x 2 B moments + the 2 B bf16 gradient copy
+    recs = records_of(off)
     assert host_bytes_needed(recs, moments=True, accumulate=False, state_dtype=torch.bfloat16) == padded * 10
     assert host_bytes_needed(recs, moments=True, accumulate=True, state_dtype=torch.bfloat16) == padded * 12
     assert host_bytes_needed(recs, moments=True, accumulate=False) == padded * 14
@@ -81,7 +81,7 @@ def test_fp32_moments_load_into_bf16_state_rounded_like_to():
     model2, opt2 = build("adamw")
     off2 = FullCPUOffloadOptimizer(opt2, **BF16)
     off2.load_state_dict(sd)
-    for a, b in zip(off._records, off2._records):
+    for a, b in zip(records_of(off), records_of(off2)):
         assert torch.equal(b.master, a.master) and b.step == a.step, a.name
         assert torch.equal(b.exp_avg, a.exp_avg.to(torch.bfloat16)), a.name
         assert torch.equal(b.exp_avg_sq, a.exp_avg_sq.to(torch.bfloat16)), a.name
@@ -89,7 +89,7 @@ def test_fp32_moments_load_into_bf16_state_rounded_like_to():
     model3, opt3 = build("adamw")
     off3 = FullCPUOffloadOptimizer(opt3, **SMALL)
     off3.load_state_dict(off2.state_dict())
-    for b, c in zip(off2._records, off3._records):
+    for b, c in zip(records_of(off2), records_of(off3)):
         assert c.exp_avg.dtype == torch.float32 and torch.equal(c.exp_avg, b.exp_avg.float()), b.name
         assert torch.equal(c.exp_avg_sq, b.exp_avg_sq.float()), b.name
 

@@ -13,8 +13,8 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from cpu_offload._full.optimizer import FullCPUOffloadOptimizer
-from helpers import (LOSS_SCALES, SMALL, STEPS, build, check_unchanged, fp32_reference, normwise, snapshot, train,
-                     train_step)
+from helpers import (LOSS_SCALES, SMALL, STEPS, build, check_unchanged, fp32_reference, normwise, records_of,
+                     snapshot, train, train_step, watch_rollbacks)
 
 BF16 = torch.bfloat16
 
@@ -49,7 +49,7 @@ def test_clipped_steps_with_bf16_moments_stay_within_the_bound(k):
     params, ref = bf16_moment_replay(init, history, clip)
     assert 5 <= sum(float(n) > clip for n in norms) <= STEPS - 5
     by_id = {id(p): n for n, p in model.named_parameters()}
-    for rec, rec32 in zip(off._records, fp32._records):
+    for rec, rec32 in zip(records_of(off), records_of(fp32)):
         n = by_id[id(rec.param)]
         st = ref.state.get(params[n])
         if not st:
@@ -67,7 +67,7 @@ def test_clipped_steps_with_bf16_moments_stay_within_the_bound(k):
 def test_steps_that_do_not_clip_are_bit_identical_with_bf16_moments(k):
     plain = train("adamw", k, 6, skip_nonfinite=False, state_dtype=BF16)[1]
     clipped = train("adamw", k, 6, clip=1e6, state_dtype=BF16)[1]
-    for a, b in zip(plain._records, clipped._records):
+    for a, b in zip(records_of(plain), records_of(clipped)):
         assert torch.equal(a.master, b.master) and torch.equal(a.exp_avg, b.exp_avg), a.name
         assert torch.equal(a.exp_avg_sq, b.exp_avg_sq) and a.step == b.step, a.name
 
@@ -78,7 +78,7 @@ def test_nan_loss_skips_bit_identically_with_bf16_moments(k):
     off = FullCPUOffloadOptimizer(opt, grad_accum_steps=k, state_dtype=BF16, **SMALL)
     for s in range(4):
         before = snapshot(off)
-        weights = {r.name: r.param.detach().clone() for r in off._records}
+        weights = {r.name: r.param.detach().clone() for r in records_of(off)}
         if s == 2:
             with pytest.warns(RuntimeWarning, match="step skipped"):
                 train_step(model, off, s, k, loss_factor=math.nan)
@@ -98,8 +98,7 @@ def test_inf_gradient_rolls_back_bf16_moments_within_the_bound():
     armed = []
     model.l1.weight.register_hook(lambda g: g.index_fill(1, torch.tensor([3]), math.inf) if armed else g)
     stepped = {}  # the state the rollback starts from: after the speculative step
-    real = off._validator._rollback
-    off._validator._rollback = lambda pieces: stepped.update(snapshot(off)) or real(pieces)
+    watch_rollbacks(off, lambda pieces: stepped.update(snapshot(off)))
     for s in range(3):
         armed[:] = [True] if s == 1 else []
         before = snapshot(off)
@@ -107,7 +106,7 @@ def test_inf_gradient_rolls_back_bf16_moments_within_the_bound():
             with pytest.warns(RuntimeWarning, match="step skipped"):
                 train_step(model, off, s, 1)
             assert stepped
-            for r in off._records:
+            for r in records_of(off):
                 m, ea, eas, st = before[r.name]
                 assert r.step == st, r.name
                 # NOTE (rollback.py): the update u is recomputed from the rounded moments, so the

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from cpu_offload._full.optimizer import FullCPUOffloadOptimizer
-from helpers import SMALL, build, capture, fp32_reference, normwise
+from helpers import SMALL, build, capture, fp32_reference, normwise, records_of, watch_rollbacks
 
 COUNTS = [1, 3, 2, 5]  # micro-batches per step
 CLIP = 0.3
@@ -64,7 +64,7 @@ def test_variable_windows_with_scaling_and_clipping_match_torch(announce):
         assert abs(ours - theirs) <= 1e-6 * theirs
     assert sum(n > CLIP for n in ref_norms) >= 2  # clipping active
     by_id = {id(p): n for n, p in model.named_parameters()}
-    for rec in off._records:
+    for rec in records_of(off):
         n = by_id[id(rec.param)]
         st = ref.state.get(params[n], {})
         assert normwise(rec.master.view(rec.shape), params[n].detach()) < 1e-5, n
@@ -80,8 +80,7 @@ def test_announced_factor_is_free_and_equals_a_scaled_loss():
     a = FullCPUOffloadOptimizer(a_opt, grad_accum_steps=2, **SMALL)
     b = FullCPUOffloadOptimizer(b_opt, grad_accum_steps=2, **SMALL)
     rollbacks = []
-    real = a._validator._rollback
-    a._validator._rollback = lambda stepped: rollbacks.append(len(stepped)) or real(stepped)
+    watch_rollbacks(a, lambda stepped: rollbacks.append(len(stepped)))
     for s in range(3):
         a.scale_grads_(0.25)
         for m in range(2):
@@ -89,7 +88,7 @@ def test_announced_factor_is_free_and_equals_a_scaled_loss():
             (b_model(micro_batch(s, m).to(torch.bfloat16)).float().pow(2).sum() * 0.25).backward()
         a.step()
         b.step()
-    for ra, rb in zip(a._records, b._records):
+    for ra, rb in zip(records_of(a), records_of(b)):
         torch.testing.assert_close(ra.master, rb.master, rtol=1e-6, atol=1e-7)
     assert rollbacks == []  # no redo: the kernels applied the factor
     assert a.stats()["backward_passes"] == 2

@@ -15,8 +15,8 @@ import cpu_offload
 from cpu_offload._full import chunk_runner
 from cpu_offload._full import validation as step_validation
 from cpu_offload._full.optimizer import FullCPUOffloadOptimizer
+from helpers import SMALL, records_of
 
-SMALL = dict(pinned_bytes=4 * 4096, num_slots=2)
 HP = dict(lr=1e-2, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1)
 
 
@@ -71,7 +71,7 @@ def normwise(a, b):
 
 def assert_matches(model, off, ref, tol=1e-5):
     names = {id(p): n for n, p in model.named_parameters()}
-    for rec in off._records:
+    for rec in records_of(off):
         n = names[id(rec.param)]
         p, st = ref.params[n], ref.opt.state[ref.params[n]]
         assert normwise(rec.master.view(rec.shape), p.detach()) < tol, n
@@ -83,7 +83,7 @@ def assert_matches(model, off, ref, tol=1e-5):
 
 def snapshot(off):
     return [(r.master.clone(), r.exp_avg.clone(), r.exp_avg_sq.clone(), r.step, r.param.detach().clone())
-            for r in off._records]
+            for r in records_of(off)]
 
 
 def assert_same(a, b):
@@ -245,7 +245,7 @@ def test_late_tiny_factor_on_huge_gradients_stays_finite_like_torch(grad_copy):
         off.step()
         off.zero_grad()
         ref.step(grads, scale=1e-30 if s == 2 else 1.0)
-    for rec in off._records:
+    for rec in records_of(off):
         assert torch.isfinite(rec.master).all() and torch.isfinite(rec.exp_avg_sq).all(), rec.name
     assert_matches(model, off, ref, tol=1e-5)
 
@@ -324,7 +324,7 @@ def test_zero_filled_parameters_are_redone_with_accumulation():
         ref.step()
         off.zero_grad(set_to_none=False)
         ref.zero_grad(set_to_none=False)
-    extra = next(r for r in off._records if r.param is model.extra)
+    extra = next(r for r in records_of(off) if r.param is model.extra)
     assert extra.step == 3 == int(ref.state[ref_model.extra]["step"])
     assert normwise(extra.master, ref_model.extra.detach()) < 1e-5
 

@@ -10,11 +10,7 @@ import pytest
 import torch
 import torch.nn as nn
 
-from cpu_offload._full.optimizer import FullCPUOffloadOptimizer
-
-SMALL = dict(pinned_bytes=4 * 4096, num_slots=2)
-HP = dict(lr=1e-2, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1)
-
+from helpers import ReplayRun
 
 class Net(nn.Module):
     def __init__(self, empties=True):
@@ -32,52 +28,15 @@ class Net(nn.Module):
         return y
 
 
-class Run:
-    """The wrapped Net with the gradients it received, a torch AdamW replay, and the same
-    training without the empty parameters (``plain``), fed the same batches."""
+class Run(ReplayRun):
+    """The wrapped Net with the gradients it received and a torch AdamW replay."""
 
     def __init__(self, seed, *, empties=True, k=1, **opts):
         torch.manual_seed(seed)
-        self.model = Net(empties)
-        self.init = {n: p.detach().clone() for n, p in self.model.named_parameters()}
-        self.window = {}
-        for n, p in self.model.named_parameters():
-            p.register_post_accumulate_grad_hook(lambda p, n=n: self._seen(n, p))
-        self.opt = FullCPUOffloadOptimizer(torch.optim.AdamW(self.model.parameters(), **HP), grad_accum_steps=k,
-                                           **{**SMALL, **opts})
-        self.ref_params = {n: nn.Parameter(t.float().clone()) for n, t in self.init.items()}
-        self.ref = torch.optim.AdamW(list(self.ref_params.values()), **HP)
-        self.gen = torch.Generator().manual_seed(seed + 1)
-
-    def _seen(self, n, p):
-        g = p.grad.detach().float().clone()
-        self.window[n] = self.window[n] + g if n in self.window else g
+        super().__init__(Net(empties), k=k, seed=seed, **opts)
 
     def backward(self, **kw):
         self.model(torch.randn(8, 16, generator=self.gen).to(torch.bfloat16), **kw).backward()
-
-    def ref_step(self, grads, zero_held=()):
-        for n, p in self.ref_params.items():
-            p.grad = grads[n].clone() if n in grads else torch.zeros_like(p) if n in zero_held else None
-        self.ref.step()
-
-    def steps(self):
-        by_param = {id(p): n for n, p in self.model.named_parameters()}
-        return {by_param[id(r.param)]: r.step for r in self.opt._records}
-
-    def ref_steps(self):
-        return {n: int(self.ref.state[p]["step"]) if p in self.ref.state else 0 for n, p in self.ref_params.items()}
-
-    def masters(self):
-        by_param = {id(p): n for n, p in self.model.named_parameters()}
-        return {by_param[id(r.param)]: r.master.clone() for r in self.opt._records}
-
-    def check(self):
-        assert self.steps() == self.ref_steps()
-        for n, m in self.masters().items():
-            torch.testing.assert_close(m.view(self.ref_params[n].shape), self.ref_params[n].detach(),
-                                       rtol=1e-5, atol=1e-6, msg=n)
-
 
 def _seed():
     return int.from_bytes(os.urandom(4), "little")

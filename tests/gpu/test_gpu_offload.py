@@ -18,7 +18,7 @@ import torch
 import torch.nn as nn
 
 import cpu_offload
-from helpers import free_port
+from helpers import free_port, records_of
 from cpu_offload import offload_optimizer
 from cpu_offload.reference import adamw_reference_
 
@@ -94,7 +94,7 @@ def check_against_reference(model, opt, init, history):
             tp[n].grad = total
         topt.step()
     sd = opt.state_dict()
-    for rec in opt._records:
+    for rec in records_of(opt):
         n = by_id[id(rec.param)]
         master = rec.master.view(rec.shape)
         assert torch.equal(master, ref[n]), n

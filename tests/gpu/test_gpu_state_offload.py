@@ -22,6 +22,7 @@ import torch.nn as nn
 
 from cpu_offload import StateOffloadOptimizer
 from cpu_offload._common.dtensor import local_of
+from helpers import state_staging_of
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
 
@@ -203,7 +204,7 @@ def _slow(chain):
 
 
 def _engine(opt):
-    (engine,) = opt._staging.copies.values()
+    (engine,) = state_staging_of(opt).copies.values()
     return engine
 
 
@@ -228,7 +229,7 @@ def test_ordering_under_a_slow_stream(where, kind, overlap):
     m1, plain = make(kind, wrap=False)
     m2, wrapped = make(kind, wrap=True)
     if overlap:
-        wrapped._staging.overlap.overlap_bytes = lambda: 1 << 50
+        state_staging_of(wrapped).overlap.overlap_bytes = lambda: 1 << 50
     train(m1, plain, range(8))
     train(m2, wrapped, range(2))  # the copy engine exists from here on
     engine = _engine(wrapped)

@@ -9,6 +9,7 @@ import torch.nn as nn
 from cpu_offload.optim import SignSGD
 from cpu_offload._state.copies import SyncStateCopies
 from cpu_offload._state.optimizer import StateOffloadOptimizer
+from helpers import state_staging_of
 
 
 def model_and_data(seed=0):
@@ -38,7 +39,7 @@ def test_equals_wrapped_optimizer_bitwise():
         assert torch.equal(a, b)
     # between steps the moments are the host buffers, not the working copies
     for p in m2.parameters():
-        assert wrapped.state[p]["exp_avg"] is wrapped._staging.host[(id(p), "exp_avg")]
+        assert wrapped.state[p]["exp_avg"] is state_staging_of(wrapped).host[(id(p), "exp_avg")]
     assert wrapped.param_groups is wrapped.optimizer.param_groups
 
 
@@ -61,7 +62,7 @@ def test_state_dict_round_trip_and_scheduler():
     buf.seek(0)
     b.load_state_dict(torch.load(buf))
     for p in m3.parameters():
-        assert b.state[p]["exp_avg"] is b._staging.host[(id(p), "exp_avg")]
+        assert b.state[p]["exp_avg"] is state_staging_of(b).host[(id(p), "exp_avg")]
     train(m2, a, data[3:])
     train(m3, b, data[3:])
     for x, y in zip(m2.parameters(), m3.parameters()):
@@ -206,11 +207,11 @@ def test_state_and_state_dict_wait_for_copies_to_the_host():
     opt = StateOffloadOptimizer(torch.optim.AdamW(model.parameters(), lr=1e-2))
     train(model, opt, data[:1])
     log = []
-    opt._staging.copies = {"cuda:0": _Copies(log)}  # the non-blocking D2H copies of the last step
+    state_staging_of(opt).copies = {"cuda:0": _Copies(log)}  # the non-blocking D2H copies of the last step
     assert len(opt.state) == 4
     assert log == ["copy-outs waited"]
     opt.state_dict()
     assert log == ["copy-outs waited"] * 2
-    opt._staging.copies = {"cuda:0": _Copies(log)}
+    state_staging_of(opt).copies = {"cuda:0": _Copies(log)}
     opt.load_state_dict(opt.optimizer.state_dict())
     assert log[2] == "all copies waited"  # before anything writes the host buffers

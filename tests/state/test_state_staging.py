@@ -15,6 +15,7 @@ import torch.nn as nn
 from cpu_offload import StateOffloadOptimizer, offload_optimizer
 from cpu_offload._common.dtensor import local_of
 from cpu_offload._state.copies import SyncStateCopies
+from helpers import state_staging_of
 
 CPU = torch.device("cpu")
 
@@ -110,7 +111,7 @@ def assert_same(m1, plain, m2, wrapped):
             if isinstance(sa[key], torch.Tensor):
                 assert torch.equal(sa[key], sb[key]), key
                 if sb[key].dim():
-                    assert sb[key] is wrapped._staging.host[(id(b), key)]  # between steps: the host buffer
+                    assert sb[key] is state_staging_of(wrapped).host[(id(b), key)]  # between steps: the host buffer
             else:
                 assert sa[key] == sb[key], key
 
@@ -155,7 +156,7 @@ def prefetched_after_each_backward(model, opt, step, accum):
     counts = []
     for m in range(accum):
         backward(model, step, m)
-        counts.append(len(opt._staging.prefetched))
+        counts.append(len(state_staging_of(opt).prefetched))
     opt.step()
     opt.zero_grad()
     return counts
@@ -182,9 +183,9 @@ def test_window_length_is_learned_when_not_given():
             backward(model, 3, 0)
     finally:
         Boom.armed = False
-    assert opt._staging.completed == 0
+    assert state_staging_of(opt).completed == 0
     assert prefetched_after_each_backward(model, opt, 3, 3) == [0, 0, 4]
-    assert opt._staging.window == 3
+    assert state_staging_of(opt).window == 3
     for s, accum in enumerate([3, 3, 2, 3]):
         if s == 3:  # b's gradients of the backward that raised stay in b.grad
             Boom.armed = True
@@ -266,7 +267,7 @@ def test_exception_in_the_middle_of_backward(then):
         if then == "step":
             opt.step()  # steps b only, as torch does
         opt.zero_grad()
-    assert id(m2.b.weight) in wrapped._staging.prefetched or then == "step"
+    assert id(m2.b.weight) in state_staging_of(wrapped).prefetched or then == "step"
     train(m1, plain, range(3, 6))
     train(m2, wrapped, range(3, 6))
     assert_same(m1, plain, m2, wrapped)
@@ -293,7 +294,7 @@ def test_hand_offs_happen_in_order():
             return jobs, None
 
     _, _, model, opt = pair("adamw")
-    opt._staging.copies[CPU] = Recording(CPU)
+    state_staging_of(opt).copies[CPU] = Recording(CPU)
     opt.optimizer.register_step_pre_hook(lambda *a: log.append(("step",)))
     train(model, opt, range(3))
     kinds = [entry[0] for entry in log]
@@ -342,7 +343,7 @@ def test_options_are_checked():
         with pytest.raises(ValueError, match="grad_accum_steps must be None or an int >= 1"):
             StateOffloadOptimizer(torch.optim.SGD(Net().parameters(), lr=1.0), grad_accum_steps=bad)
     opt = offload_optimizer(torch.optim.SGD(Net().parameters(), lr=1.0), grad_accum_steps=3, prefetch_bytes=0)
-    assert opt._staging.grad_accum_steps == 3 and opt._staging.prefetch_bytes == 0
+    assert state_staging_of(opt).grad_accum_steps == 3 and state_staging_of(opt).prefetch_bytes == 0
 
 
 def test_stats_before_and_after_a_step():
@@ -397,7 +398,7 @@ def test_fsdp2_dtensor_params(gloo_group):
             continue
         for key in ("exp_avg", "exp_avg_sq"):
             value = wrapped.state[b][key]
-            assert type(value).__name__ == "DTensor" and local_of(value) is wrapped._staging.host[(id(b), key)]
+            assert type(value).__name__ == "DTensor" and local_of(value) is state_staging_of(wrapped).host[(id(b), key)]
             assert torch.equal(plain.state[a][key].to_local(), value.to_local())
     stats = wrapped.stats()
     assert stats["prefetched_bytes"] == stats["h2d_bytes"] == stats["d2h_bytes"] > 0  # FSDP2 ran the hooks
