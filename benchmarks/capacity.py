@@ -5,12 +5,22 @@
 # each configuration in a fresh subprocess, and record step time, tokens/s, peak GPU
 # memory and peak host RSS, or "does not fit" (GPU out of memory, the host RAM check's
 # MemoryError, a process killed by the kernel). A mode stops at its first configuration
-# that does not fit (or times out): the larger ones are not tried. Prints a table, writes
-# JSON (--json) and a PNG plot (--plot, when matplotlib is importable).
+# that does not fit (or times out): the larger ones are not tried. Each full-offload row
+# also gets its configuration's GPU floor (the floor mode's step), its median CPU kernel
+# time per step and its efficiency, max(floor, kernel) / step: 1 is a step that costs only
+# the larger of its two real costs. Prints a table, writes JSON (--json) and a PNG plot
+# (--plot, when matplotlib is importable).
 #
 #   python benchmarks/capacity.py --json capacity.json --plot capacity.png --time-limit-s 460
 #
+# --profile times each step's phases instead, synchronising the GPU between them (forward;
+# backward, with the pipeline's waits inside it; the tail in step()): the breakdown of
+# docs/full-offload-profile.md.
+#
 # Modes:
+#   floor       the GPU floor: the model as the full modes keep it on the GPU (bf16), every
+#               gradient dropped as soon as it is final (after FSDP2's reduce-scatter), no
+#               optimizer: forward + backward and nothing else
 #   none        torch AdamW on the device: FSDP2 with bf16 mixed precision, fp32 weights,
 #               gradients and moments on the GPU (16 B per parameter plus activations)
 #   full        offload_optimizer(offload="full"): bf16 weights on the GPU; fp32 masters and
@@ -62,10 +72,11 @@ EXAMPLES = ROOT / "examples"
 RESULT_TAG = "CAPACITY_RESULT "
 GIB = float(1 << 30)
 
-MODES = ("none", "full", "full_bf16")
+MODES = ("floor", "none", "full", "full_bf16")
+FULL_MODES = ("full", "full_bf16")
 # mode -> (offload=, state_dtype, dtype the model is materialised in on the device)
-MODE_OPTIONS = {"none": ("none", "float32", "float32"), "full": ("full", "float32", "bfloat16"),
-                "full_bf16": ("full", "bfloat16", "bfloat16")}
+MODE_OPTIONS = {"floor": (None, None, "bfloat16"), "none": ("none", "float32", "float32"),
+                "full": ("full", "float32", "bfloat16"), "full_bf16": ("full", "bfloat16", "bfloat16")}
 _LLAMA = dict(vocab_size=32000)
 CONFIGS = {
     "1b": dict(_LLAMA, d_model=2048, n_layers=16, n_heads=16, ffn_dim=5632),
@@ -165,6 +176,67 @@ def worker(cfg: dict) -> dict:
         return dict(base, status=status, error=message[:500], peak_host_rss_gib=_peak_rss_gib())
 
 
+def floor_optimizer(model, lr: float):
+    """The floor mode's optimizer: every gradient is dropped by a post-accumulate-grad hook
+    (where full offload takes it), so SGD with lr 0 finds none and steps nothing; the
+    scheduler and the loop run as for the other modes."""
+    import torch
+    for p in model.parameters():
+        if p.requires_grad:
+            p.register_post_accumulate_grad_hook(lambda p: setattr(p, "grad", None))
+    return torch.optim.SGD(model.parameters(), lr=lr)
+
+
+def profiled_steps(ex, model, opt, sched, settings, *, steps: int, device):
+    """The loop of train_fsdp.run_steps with the GPU synchronised between phases: yields
+    its records plus ``forward_s``, ``backward_s`` (the pipeline's waits inside it) and
+    ``tail_s`` (step(), zero_grad(), the scheduler, until the GPU is idle).
+    NOTE: a sync between phases hides nothing here: the next phase needs the last one's
+    results (backward the forward's activations, the next forward the new weights)."""
+    import torch
+    import torch.nn.functional as F
+
+    def now():
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        return time.perf_counter()
+
+    for step in range(steps):
+        if device.type == "cuda":
+            torch.cuda.reset_peak_memory_stats(device)
+        inputs, targets = ex.synthetic_batch(step, 0, rank=0, world=1, batch_size=settings.batch_size,
+                                             seq_len=settings.seq_len, vocab_size=settings.vocab_size,
+                                             seed=settings.seed, device=device)
+        t0 = now()
+        loss = F.cross_entropy(model(inputs).float().flatten(0, 1), targets.flatten())
+        t1 = now()
+        loss.backward()
+        t2 = now()
+        lr = opt.param_groups[0]["lr"]
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        sched.step()
+        loss_value = loss.item()
+        t3 = now()
+        yield {"step": step + 1, "loss": loss_value, "lr": float(lr), "step_time_s": t3 - t0,
+               "tokens_per_step": settings.batch_size * settings.seq_len,
+               "tokens_per_s": settings.batch_size * settings.seq_len / (t3 - t0),
+               "peak_gpu_gib": torch.cuda.max_memory_allocated(device) / GIB if device.type == "cuda" else None,
+               "offload": dict(opt.stats()) if callable(getattr(opt, "stats", None)) else None,
+               "forward_s": t1 - t0, "backward_s": t2 - t1, "tail_s": t3 - t2}
+
+
+PROFILE_KEYS = ("forward_s", "backward_s", "tail_s")
+OFFLOAD_KEYS = ("kernel_s", "slot_wait_s", "grad_wait_s", "h2d_slot_wait_s", "step_blocked_s")
+
+
+def _median_after_first(values: list) -> Optional[float]:
+    values = [v for v in values if v is not None]
+    if not values:
+        return None
+    return statistics.median(values[1:]) if len(values) > 1 else values[0]  # the first step warms up
+
+
 def _train(ex, cfg: dict, device) -> dict:
     import torch
     if cfg["config"] in cfg.get("force_oom", ()):
@@ -173,26 +245,38 @@ def _train(ex, cfg: dict, device) -> dict:
     mcfg = ex.ModelConfig(**cfg["model"], max_seq_len=cfg["seq_len"])
     t0 = time.perf_counter()
     model = build_checkpointed_model(ex, mcfg, device, dtype=getattr(torch, param_dtype), seed=cfg["seed"])
-    opt = ex.build_optimizer(model, name="adamw", lr=cfg["lr"], weight_decay=0.1, offload=offload, grad_accum=1,
-                             state_dtype=getattr(torch, state_dtype))
+    if offload is None:
+        opt = floor_optimizer(model, cfg["lr"])
+    else:
+        opt = ex.build_optimizer(model, name="adamw", lr=cfg["lr"], weight_decay=0.1, offload=offload, grad_accum=1,
+                                 state_dtype=getattr(torch, state_dtype))
     setup_s = time.perf_counter() - t0
     sched = ex.make_scheduler(opt, lr=cfg["lr"], warmup=1, total=cfg["steps"], min_ratio=0.1)
     settings = ex.StepSettings(batch_size=cfg["tokens_per_step"] // cfg["seq_len"], seq_len=cfg["seq_len"],
                                grad_accum=1, vocab_size=mcfg.vocab_size, seed=cfg["seed"])
+    if cfg.get("profile"):
+        steps = profiled_steps(ex, model, opt, sched, settings, steps=cfg["steps"], device=device)
+    else:
+        steps = ex.run_steps(model, opt, sched, settings, first_step=0, last_step=cfg["steps"], device=device)
     records = []
-    for rec in ex.run_steps(model, opt, sched, settings, first_step=0, last_step=cfg["steps"], device=device):
+    for rec in steps:
         records.append(rec)
         print(f"  [{cfg['mode']} {cfg['config']}] " + ex.format_step(rec, cfg["steps"]), flush=True)
     if hasattr(opt, "close"):
         opt.close()
     times = [r["step_time_s"] for r in records]
-    step_s = statistics.median(times[1:]) if len(times) > 1 else times[0]  # the first step warms up
+    step_s = _median_after_first(times)
     peaks = [r["peak_gpu_gib"] for r in records if r["peak_gpu_gib"] is not None]
-    return {"status": OK, "error": None, "step_times_s": times, "step_s": step_s,
-            "tokens_per_s": cfg["tokens_per_step"] / step_s, "losses": [r["loss"] for r in records],
-            "peak_gpu_gib": max(peaks) if peaks else None, "peak_host_rss_gib": _peak_rss_gib(),
-            "setup_s": setup_s, "n_params": ex.count_parameters(model),
-            "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"}
+    out = {"status": OK, "error": None, "step_times_s": times, "step_s": step_s,
+           "tokens_per_s": cfg["tokens_per_step"] / step_s, "losses": [r["loss"] for r in records],
+           "peak_gpu_gib": max(peaks) if peaks else None, "peak_host_rss_gib": _peak_rss_gib(),
+           "setup_s": setup_s, "n_params": ex.count_parameters(model),
+           "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"}
+    for key in OFFLOAD_KEYS:
+        out[key] = _median_after_first([(r["offload"] or {}).get(key) for r in records])
+    if cfg.get("profile"):
+        out["profile"] = {key: _median_after_first([r[key] for r in records]) for key in PROFILE_KEYS}
+    return out
 
 
 # ------------------------------------------------------------------- the parent
@@ -246,6 +330,18 @@ def measure(plan: dict, *, time_limit_s: float, run: Callable[..., dict] = run_c
     return rows
 
 
+def add_efficiency(rows: list[dict]) -> None:
+    """Give each full-offload row its configuration's GPU floor and its efficiency,
+    max(floor, CPU kernel) / step (None where a figure is missing)."""
+    floors = {r["config"]: r["step_s"] for r in rows if r["mode"] == "floor" and r["status"] == OK}
+    for r in rows:
+        if r["mode"] not in FULL_MODES or r["status"] != OK:
+            continue
+        r["floor_s"] = floors.get(r["config"])
+        bound = max([x for x in (r["floor_s"], r.get("kernel_s")) if x is not None], default=None)
+        r["efficiency"] = None if bound is None or r["floor_s"] is None else bound / r["step_s"]
+
+
 def largest(rows: list[dict]) -> dict:
     """mode -> the largest configuration it trained (None when none did)."""
     out = {}
@@ -258,15 +354,21 @@ def largest(rows: list[dict]) -> dict:
 
 def format_table(rows: list[dict]) -> str:
     head = (f"{'mode':<10} {'config':<7} {'params':>8} {'status':<13} {'step s':>8} {'tokens/s':>10} "
-            f"{'peak GPU GiB':>12} {'peak RSS GiB':>12}  note")
+            f"{'floor s':>8} {'kernel s':>8} {'effic.':>6} {'peak GPU GiB':>12} {'peak RSS GiB':>12}  note")
     lines = [head, "-" * len(head)]
     for r in rows:
         ok = r["status"] == OK
         def num(key, fmt, r=r, ok=ok):
             return format(r[key], fmt) if ok and r.get(key) is not None else "-"
         lines.append(f"{r['mode']:<10} {r['config']:<7} {format_params(r['n_params']):>8} {r['status']:<13} "
-                     f"{num('step_s', '.3f'):>8} {num('tokens_per_s', ',.0f'):>10} {num('peak_gpu_gib', '.2f'):>12} "
+                     f"{num('step_s', '.3f'):>8} {num('tokens_per_s', ',.0f'):>10} {num('floor_s', '.3f'):>8} "
+                     f"{num('kernel_s', '.3f'):>8} {num('efficiency', '.2f'):>6} {num('peak_gpu_gib', '.2f'):>12} "
                      f"{num('peak_host_rss_gib', '.2f'):>12}  {'' if ok else (r.get('error') or '')[:90]}")
+        if ok and r.get("profile"):
+            prof = r["profile"]
+            waits = ", ".join(f"{k} {r[k]:.3f}" for k in OFFLOAD_KEYS if r.get(k) is not None)
+            lines.append(f"{'':<10} profile: forward {prof['forward_s']:.3f} s, backward {prof['backward_s']:.3f} s, "
+                         f"tail {prof['tail_s']:.3f} s" + (f"; {waits}" if waits else ""))
     return "\n".join(lines)
 
 
@@ -318,6 +420,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--lr", type=float, default=3e-4)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--device", choices=["auto", "cuda", "cpu"], default="auto")
+    p.add_argument("--profile", action="store_true",
+                   help="time forward, backward and the tail separately (synchronising between them)")
     p.add_argument("--force-oom", default="", metavar="NAMES",
                    help="comma list of configurations whose worker raises MemoryError (tests the reporting)")
     p.add_argument("--json", metavar="PATH")
@@ -343,7 +447,7 @@ def make_plan(args: argparse.Namespace) -> dict:
     names.sort(key=lambda n: n_params(CONFIGS[n]))
     forced = [c.strip() for c in args.force_oom.split(",") if c.strip()]
     common = {"steps": args.steps, "tokens_per_step": args.tokens, "seq_len": args.seq_len, "lr": args.lr,
-              "seed": args.seed, "device": args.device, "force_oom": forced}
+              "seed": args.seed, "device": args.device, "force_oom": forced, "profile": args.profile}
     return {m: [dict(common, mode=m, config=n, model=CONFIGS[n]) for n in names] for m in modes}
 
 
@@ -358,12 +462,13 @@ def main(argv=None) -> int:
         os._exit(0)
     plan = make_plan(args)
     rows = measure(plan, time_limit_s=args.time_limit_s)
+    add_efficiency(rows)
     import torch
     device = next((r["device"] for r in rows if r.get("device")), "unknown (no configuration ran)")
     meta = {"device": device, "cpu_cores": len(os.sched_getaffinity(0)), "host_ram_gib": _host_ram_gib(),
             "torch": torch.__version__, "python": platform.python_version(),
             "date": datetime.date.today().isoformat(), "tokens_per_step": args.tokens, "seq_len": args.seq_len,
-            "steps": args.steps, "time_limit_s": args.time_limit_s}
+            "steps": args.steps, "time_limit_s": args.time_limit_s, "profile": args.profile}
     report = {"meta": meta, "rows": rows, "largest": largest(rows)}
     print()
     print(f"{device} | {meta['cpu_cores']} CPU cores | host RAM {meta['host_ram_gib'] or 0:.0f} GiB | "

@@ -132,3 +132,38 @@ def test_materialize_builds_from_meta_in_the_requested_dtype(capacity):
     attn = model.blocks[0].attn
     assert attn.rope_cos.dtype == torch.float32 and torch.equal(attn.rope_cos, cos) and torch.equal(attn.rope_sin, sin)
     assert model(torch.tensor([[1, 2, 3]])).shape == (1, 3, 512)
+
+
+def test_floor_mode_drops_every_gradient_and_steps_nothing(capacity):
+    model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Linear(8, 2))
+    before = [p.detach().clone() for p in model.parameters()]
+    opt = capacity.floor_optimizer(model, lr=1.0)
+    for _ in range(2):
+        model(torch.randn(4, 8)).square().sum().backward()
+        assert all(p.grad is None for p in model.parameters())
+        opt.step()
+        opt.zero_grad()
+    assert all(torch.equal(a, p) for a, p in zip(before, model.parameters()))
+    assert opt.state == {} or all(not s for s in opt.state.values())
+
+
+def test_profiled_floor_and_full_rows_report_efficiency(capacity, tmp_path, capsys):
+    out = tmp_path / "capacity.json"
+    argv = ["--modes", "floor,full", "--configs", "tiny-a", "--device", "cpu", "--tokens", "128",
+            "--seq-len", "64", "--steps", "3", "--profile", "--json", str(out)]
+    assert capacity.main(argv) == 0
+    report = json.loads(out.read_text())
+    floor, full = report["rows"]
+    assert floor["mode"] == "floor" and floor["status"] == "ok" and floor["kernel_s"] is None
+    assert "floor_s" not in floor and "efficiency" not in floor
+    assert full["floor_s"] == floor["step_s"] and full["kernel_s"] > 0
+    assert full["efficiency"] == pytest.approx(max(floor["step_s"], full["kernel_s"]) / full["step_s"])
+    for row in (floor, full):
+        prof = row["profile"]
+        assert all(prof[k] > 0 for k in ("forward_s", "backward_s", "tail_s")), prof
+        # medians of the parts against the median of their sums: close, not equal
+        assert sum(prof.values()) == pytest.approx(row["step_s"], rel=0.5)
+    assert full["slot_wait_s"] >= 0 and full["grad_wait_s"] >= 0 and full["step_blocked_s"] > 0
+    assert report["meta"]["profile"] is True
+    table = capsys.readouterr().out
+    assert "profile: forward" in table and "effic." in table

@@ -122,19 +122,23 @@ class ChunkRunner:
     def forget_plans(self) -> None:
         self._plans.clear()
 
-    def _wait(self, marker: Any, what: str) -> None:
+    def _wait(self, marker: Any, what: str) -> float:
+        """Wait for ``marker``; returns the seconds waited."""
+        t0 = time.perf_counter()
         wait_until(lambda: self.transfer.is_done(marker), timeout_s=self.timeout_s, what=what, diagnose=self._diagnose)
+        return time.perf_counter() - t0
 
     def run(self, chunk) -> None:
+        grad_wait = h2d_wait = 0.0
         if chunk.slot is not None:
             self.phase = "waiting for gradient copies"
-            self._wait(chunk.marker, f"the gradient copies of {chunk.describe()}")
+            grad_wait = self._wait(chunk.marker, f"the gradient copies of {chunk.describe()}")
         out_slot = None
         if chunk.final:
             out_slot = self.h2d.slots[self._h2d_next]
             self._h2d_next = (self._h2d_next + 1) % len(self.h2d.slots)
             self.phase = f"waiting for h2d slot {out_slot.index}"
-            self._wait(out_slot.marker, f"h2d slot {out_slot.index} to be copied out")
+            h2d_wait = self._wait(out_slot.marker, f"h2d slot {out_slot.index} to be copied out")
             out_slot.owner = chunk.seq
         try:
             plan = self._plan(chunk, out_slot)
@@ -150,6 +154,8 @@ class ChunkRunner:
                 self._read_norms(chunk)
             if chunk.final and ((self.skip_nonfinite and self.nonfinite) or self._hold_back(chunk)):
                 with self._lock:
+                    self.stats["grad_wait_s"] += grad_wait
+                    self.stats["h2d_slot_wait_s"] += h2d_wait
                     self._release(chunk)
                 return
             self.phase = "optimizer kernel"
@@ -171,6 +177,8 @@ class ChunkRunner:
                                     for p in chunk.pieces)
             t2 = time.perf_counter()
             with self._lock:
+                self.stats["grad_wait_s"] += grad_wait
+                self.stats["h2d_slot_wait_s"] += h2d_wait
                 self.stats["accumulate_s"] += t1 - t0
                 self.stats["kernel_s"] += t2 - t1
                 self.stats["chunks"] += 1

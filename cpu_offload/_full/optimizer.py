@@ -502,10 +502,12 @@ class FullCPUOffloadOptimizer(WindowControls, torch.optim.Optimizer):
 
     def stats(self) -> dict:
         """Figures of the last step: bytes D2H/H2D, CPU kernel seconds, seconds
-        the loop blocked on the optimizer's tail (the exposed cost), pinned and
-        host bytes, chunks, ``grad_norm`` and ``clip_coef`` (None when not
-        computed), whether it was ``skipped``; ``skipped_steps`` counts since
-        construction."""
+        the loop blocked on the optimizer's tail (``step_blocked_s``, the exposed
+        cost), seconds backward waited for a free staging slot (``slot_wait_s``) and
+        the worker for gradient copies and h2d slots (``grad_wait_s``,
+        ``h2d_slot_wait_s``), pinned and host bytes, chunks, ``grad_norm`` and
+        ``clip_coef`` (None when not computed), whether it was ``skipped``;
+        ``skipped_steps`` counts since construction."""
         return dict(self._proto.last_stats, skipped_steps=self._validator.skipped_steps)
 
     # ------------------------------------------------------------- helpers

@@ -317,6 +317,7 @@ class Pipeline:
 
     def _open_chunk(self) -> None:
         cur = self._cur
+        t0 = time.perf_counter()
         deadline = time.monotonic() + self.timeout_s
         with self._cv:
             while True:
@@ -332,6 +333,7 @@ class Pipeline:
                     raise TimeoutError(f"cpu_offload: timed out after {self.timeout_s:g}s waiting for a free d2h slot\n{self._diagnose()}")
                 self._cv.wait(min(left, 0.5))
             slot = free[0]
+            self.stats["slot_wait_s"] += time.perf_counter() - t0  # backward blocked on the worker
             self._d2h_next = (slot.index + 1) % n
             chunk = Chunk(self._next_seq(), cur.micro, cur.final, slot, cur.hparams, cur.speculative, cur.deferred)
             slot.owner = chunk.seq

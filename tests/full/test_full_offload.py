@@ -305,3 +305,22 @@ def test_step_blocked_counts_the_tail_after_backward(monkeypatch):
     # the last chunk is queued when backward ends, so the loop waits at least its kernel
     assert off.stats()["step_blocked_s"] >= 0.05
     assert off.stats()["kernel_s"] >= 0.05 * off.stats()["chunks"]
+
+
+def test_slot_waits_show_a_backward_held_up_by_the_worker(monkeypatch):
+    # With 2 staging slots and a kernel slower than the gradients arrive, backward waits
+    # for a free slot at least (chunks - slots) kernels minus the first; a fast kernel
+    # leaves it free.
+    model, opt = build("adamw")
+    off = FullCPUOffloadOptimizer(opt, **SMALL)
+    model(torch.randn(2, 24, dtype=torch.bfloat16)).float().sum().backward()
+    off.step()
+    fast = off.stats()
+    assert fast["slot_wait_s"] < 0.05 and fast["chunks"] > SMALL["num_slots"] + 1
+    slow_adamw(monkeypatch, 0.05)
+    off.zero_grad()
+    model(torch.randn(2, 24, dtype=torch.bfloat16)).float().sum().backward()
+    off.step()
+    st = off.stats()
+    assert st["slot_wait_s"] >= 0.05 * (st["chunks"] - SMALL["num_slots"] - 1)
+    assert st["kernel_s"] >= 0.05 * st["chunks"] and st["grad_wait_s"] >= 0.0 and st["h2d_slot_wait_s"] >= 0.0
