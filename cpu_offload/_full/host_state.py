@@ -20,7 +20,7 @@ from cpu_offload._common.dtensor import is_dtensor, local_of
 
 __all__ = [
     "ParamRecord", "HostBuffers", "collect_records", "check_fsdp_not_started", "host_bytes_needed",
-    "check_host_ram", "allocate_host_state", "cast_param", "cast_to_compute", "restore_dtypes",
+    "available_host_ram", "check_host_ram", "allocate_host_state", "cast_param", "cast_to_compute", "restore_dtypes",
     "note_versions", "adopt_external_weights",
 ]
 
@@ -198,8 +198,12 @@ def host_bytes_needed(records: list[ParamRecord], *, moments: bool, accumulate: 
     return total * per_elem + retained
 
 
+def available_host_ram() -> int:
+    return psutil.virtual_memory().available
+
+
 def check_host_ram(needed: int, pinned: int) -> None:
-    available = psutil.virtual_memory().available
+    available = available_host_ram()
     if needed + pinned > available:
         gib = 1024**3
         raise MemoryError(

@@ -37,14 +37,15 @@ from cpu_offload._full import checkpoint
 from cpu_offload._full import ownership
 from cpu_offload._common.backward_end import outside_backward, watch_backward
 from cpu_offload._full.host_state import (
-    adopt_external_weights, allocate_host_state, allocate_retained, cast_to_compute, check_fsdp_not_started, check_host_ram,
+    adopt_external_weights, allocate_host_state, allocate_retained, available_host_ram, cast_to_compute,
+    check_fsdp_not_started, check_host_ram,
     collect_records, host_bytes_needed, note_versions, restore_dtypes,
 )
 from cpu_offload._common.dtensor import local_of
 from cpu_offload._full.dtype_hint import watch_first_forward
 from cpu_offload._common.interrupts import deferred_interrupts
 from cpu_offload._full.options import (
-    check_clipping_options, check_optimizer, check_options, read_hparams, staging_slot_bytes,
+    check_clipping_options, check_optimizer, check_options, read_hparams, staging_rings,
 )
 from cpu_offload._full.binding import bind_for
 from cpu_offload._full.pipeline import Pipeline
@@ -57,8 +58,6 @@ from cpu_offload._full.controls import WindowControls
 from cpu_offload._common.wrapping import adopt_optimizer, load_state_dict_with_hooks, state_dict_with_hooks
 
 __all__ = ["FullCPUOffloadOptimizer"]
-
-_MIB = 1 << 20
 
 
 def _user_stacklevel() -> int:
@@ -108,8 +107,10 @@ class FullCPUOffloadOptimizer(WindowControls, torch.optim.Optimizer):
             masters stay fp32; each step computes in fp32 and rounds the moments
             to bf16 afterwards, which torch.optim.AdamW does not). AdamW only.
         keep_fp32: parameters whose compute copy stays fp32.
-        pinned_bytes: total size of the two staging rings (default 512 MiB).
-        num_slots: slots per ring (default 4).
+        pinned_bytes: total size of the two staging rings (default None: 1/8 of the
+            gradient bytes, between 512 MiB and 4 GiB; 512 MiB when the host RAM has no
+            room for more).
+        num_slots: slots per ring (default None: slots of about 64 MiB, at least 4).
         timeout_s: limit for every wait of the pipeline (default 600 s).
         sysfs_root: where sysfs is mounted (for the topology binding).
         max_grad_norm: clip every step to this total 2-norm, as
@@ -134,8 +135,8 @@ class FullCPUOffloadOptimizer(WindowControls, torch.optim.Optimizer):
         compute_dtype: torch.dtype = torch.bfloat16,
         state_dtype: torch.dtype = torch.float32,
         keep_fp32: Iterable[torch.Tensor] = (),
-        pinned_bytes: int = 512 * _MIB,
-        num_slots: int = 4,
+        pinned_bytes: Optional[int] = None,
+        num_slots: Optional[int] = None,
         timeout_s: float = 600.0,
         sysfs_root: str = "/sys",
         max_grad_norm: Optional[float] = None,
@@ -158,15 +159,16 @@ class FullCPUOffloadOptimizer(WindowControls, torch.optim.Optimizer):
         check_fsdp_not_started(records)
         keep = {id(p) for p in keep_fp32}
         device = records[0].local().device
-        slot_bytes = staging_slot_bytes(records, keep, compute_dtype, pinned_bytes=pinned_bytes, num_slots=num_slots)
         moments = self._algorithm == "adamw"
         accumulate = grad_accum_steps > 1
         if accumulate:
             grad_copy = None  # the accumulators hold the window's gradient
         copy_itemsize = 0 if grad_copy != "host" else 2 if compute_dtype == torch.bfloat16 else 4
-        check_host_ram(host_bytes_needed(records, moments=moments, accumulate=accumulate, state_dtype=state_dtype,
-                                         grad_itemsize=lambda r: 4 if copy_itemsize and id(r.param) in keep
-                                         else copy_itemsize), 2 * num_slots * slot_bytes)
+        needed = host_bytes_needed(records, moments=moments, accumulate=accumulate, state_dtype=state_dtype,
+                                   grad_itemsize=lambda r: 4 if copy_itemsize and id(r.param) in keep else copy_itemsize)
+        num_slots, slot_bytes = staging_rings(records, keep, compute_dtype, pinned_bytes=pinned_bytes,
+                                              num_slots=num_slots, room=available_host_ram() - needed)
+        check_host_ram(needed, 2 * num_slots * slot_bytes)
 
         self.binding = bind_for(device, sysfs_root)  # before any host state is touched
         self._host = allocate_host_state(records, moments=moments, accumulate=accumulate, state_dtype=state_dtype)
