@@ -497,3 +497,64 @@ class FullOffloadMaker:
     def close(self) -> None:
         for opt in self.made:
             opt.close()
+
+
+# ------------------------------------------------ the GPU tests' model (tests/gpu)
+
+VOCAB, TOKENS = 4096, 128
+
+
+class LM(nn.Module):
+    """Embedding, MLP blocks with residuals, untied head: parameters dominate memory."""
+
+    def __init__(self, d=256, blocks=2, vocab=VOCAB):
+        super().__init__()
+        self.emb = nn.Embedding(vocab, d)
+        self.blocks = nn.ModuleList(nn.Sequential(nn.Linear(d, 4 * d), nn.GELU(), nn.Linear(4 * d, d))
+                                    for _ in range(blocks))
+        self.head = nn.Linear(d, vocab, bias=False)
+
+    def forward(self, tokens):
+        h = self.emb(tokens)
+        for b in self.blocks:
+            h = h + b(h)
+        return self.head(h)
+
+
+def tokens(step, micro=0, device="cuda"):
+    g = torch.Generator().manual_seed(7919 * step + micro)
+    return torch.randint(0, VOCAB, (1, TOKENS), generator=g).to(device)
+
+
+def loss_fn(model, t):
+    logits = model(t[:, :-1]).float()
+    return nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]), t[:, 1:].reshape(-1))
+
+
+def make_opt(model):
+    decay = [p for n, p in model.named_parameters() if p.dim() > 1]
+    other = [p for n, p in model.named_parameters() if p.dim() <= 1]
+    return torch.optim.AdamW([{"params": decay, "weight_decay": 0.1}, {"params": other, "weight_decay": 0.0}],
+                             lr=1e-3, betas=(0.9, 0.95))
+
+
+def capture_local_grads(model):
+    """Per-parameter local gradients of each backward, as fp32 on the CPU."""
+    grads = {}
+    for n, p in model.named_parameters():
+        def hook(p, n=n):
+            g = p.grad.to_local() if hasattr(p.grad, "to_local") else p.grad
+            grads.setdefault(n, []).append(g.detach().float().cpu())
+        p.register_post_accumulate_grad_hook(hook)
+    return grads
+
+
+def shard_blocks(model, world=None):
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    mesh = init_device_mesh("cuda", (world or torch.distributed.get_world_size(),))
+    for b in model.blocks:
+        fully_shard(b, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    return model

@@ -146,7 +146,7 @@ def load_state_dict(opt, sd: dict) -> None:
                 if flat is not None and key not in tensors:
                     flat.zero_()
             if "master" not in tensors:  # the weights decide, unless they are round(master)
-                current = rec.local().detach().reshape(-1).to("cpu")
+                current = rec.local().detach().reshape(-1).to(rec.master.device)
                 if not torch.equal(current, rec.master.to(current.dtype)):
                     tensors["master"] = current
             for key, src in tensors.items():

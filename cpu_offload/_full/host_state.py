@@ -51,6 +51,7 @@ class ParamRecord:
     step: int = 0  # completed optimizer steps: grows exactly when the master changed
     version: int = -1  # the compute copy's version counter after the library last wrote it
     holds_grad: bool = False  # torch would hold a (zero) .grad for it: got one, not zeroed with set_to_none
+    on_device: bool = False  # its state lives on the device and is stepped there (device_state.py)
     # Per accumulation window (reset when the window closes):
     has_accum: bool = False  # ``accum`` holds the sum of this window's grads so far
     arrived: int = -1  # micro-batch index of the last gradient seen
@@ -327,7 +328,7 @@ def adopt_external_weights(records: Iterable[ParamRecord]) -> None:
         local = rec.local()
         if (local._version, local.data_ptr()) == rec.version:
             continue
-        current = local.detach().reshape(-1).to("cpu")
+        current = local.detach().reshape(-1).to(rec.master.device)
         if not torch.equal(current, rec.master.to(current.dtype)):
             rec.master.copy_(current)
         rec.version = (local._version, local.data_ptr())

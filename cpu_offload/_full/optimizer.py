@@ -45,7 +45,7 @@ from cpu_offload._common.dtensor import local_of
 from cpu_offload._full.dtype_hint import watch_first_forward
 from cpu_offload._common.interrupts import deferred_interrupts
 from cpu_offload._full.options import (
-    check_clipping_options, check_optimizer, check_options, read_hparams, staging_rings,
+    check_clipping_options, check_gpu_state, check_optimizer, check_options, read_hparams, staging_rings,
 )
 from cpu_offload._full.binding import bind_for
 from cpu_offload._full.pipeline import Pipeline
@@ -54,6 +54,10 @@ from cpu_offload._full.state_mapping import StateMapping, for_device_placement
 from cpu_offload._full.validation import StepValidator
 from cpu_offload._full.transfer import HostRing, make_transfer
 from cpu_offload._full.window import finish_window, reset_window, salvage_window
+from cpu_offload._full import device_state
+from cpu_offload._full.device_state import (
+    AutoSplit, DeviceState, auto_margin, choose_device_records, device_bytes_per_element, records_to_free_host,
+)
 from cpu_offload._full.controls import WindowControls
 from cpu_offload._common.wrapping import adopt_optimizer, load_state_dict_with_hooks, state_dict_with_hooks
 
@@ -125,6 +129,14 @@ class FullCPUOffloadOptimizer(WindowControls, torch.optim.Optimizer):
             parameter of device memory at the end of backward) or ``"host"``
             (a copy in host RAM, 2 B per parameter, made by the CPU during the
             step: no device memory, but more host memory traffic).
+        gpu_state: bytes of device memory for the state of the first parameters in the
+            optimizer's order (fp32 master and moments, and the fp32 accumulator with
+            grad_accum_steps > 1), which then stay on the device and are stepped there when
+            the window closes, bit-identically to the host kernel (device_state.py); the
+            rest stays on the host. ``"auto"``: after the first 3 windows, what their peak
+            leaves free on the device less a margin (10%, at least 4 GiB); at construction,
+            the fewest first parameters that make the host state fit when it would not.
+            Default None: all on the host.
     """
 
     def __init__(
@@ -142,6 +154,7 @@ class FullCPUOffloadOptimizer(WindowControls, torch.optim.Optimizer):
         max_grad_norm: Optional[float] = None,
         skip_nonfinite: bool = True,
         grad_copy: str = "device",
+        gpu_state: Optional[int] = None,
     ) -> None:
         self._proto = ProtocolState()  # CLOSED until fully constructed
         self._algorithm = check_optimizer(optimizer)
@@ -151,6 +164,7 @@ class FullCPUOffloadOptimizer(WindowControls, torch.optim.Optimizer):
         max_grad_norm = check_clipping_options(max_grad_norm=max_grad_norm, skip_nonfinite=skip_nonfinite,
                                                grad_copy=grad_copy)
         read_hparams(optimizer.param_groups, self._algorithm, bf16_moments=self._bf16_moments)
+        check_gpu_state(gpu_state)
         tracking = skip_nonfinite or max_grad_norm is not None
         records, frozen = collect_records(optimizer)
         ownership.check_unowned(records)
@@ -164,14 +178,36 @@ class FullCPUOffloadOptimizer(WindowControls, torch.optim.Optimizer):
         if accumulate:
             grad_copy = None  # the accumulators hold the window's gradient
         copy_itemsize = 0 if grad_copy != "host" else 2 if compute_dtype == torch.bfloat16 else 4
-        needed = host_bytes_needed(records, moments=moments, accumulate=accumulate, state_dtype=state_dtype,
-                                   grad_itemsize=lambda r: 4 if copy_itemsize and id(r.param) in keep else copy_itemsize)
-        num_slots, slot_bytes = staging_rings(records, keep, compute_dtype, pinned_bytes=pinned_bytes,
+        per_element = device_bytes_per_element(moments=moments, state_dtype=state_dtype, accumulate=accumulate)
+
+        def host_needed(recs):
+            return host_bytes_needed(recs, moments=moments, accumulate=accumulate, state_dtype=state_dtype,
+                                     grad_itemsize=lambda r: 4 if copy_itemsize and id(r.param) in keep
+                                     else copy_itemsize)
+
+        on_device = choose_device_records(records, gpu_state, per_element) if isinstance(gpu_state, int) else []
+        needed = host_needed(records[len(on_device):])
+        num_slots, slot_bytes = staging_rings(records[len(on_device):], keep, compute_dtype, pinned_bytes=pinned_bytes,
                                               num_slots=num_slots, room=available_host_ram() - needed)
+        shortage = needed + 2 * num_slots * slot_bytes - available_host_ram()
+        reading = device_state.free_memory(device) if gpu_state == "auto" and shortage > 0 else None
+        if reading is not None:
+            # NOTE: the all-host run would not start: put the fewest first parameters on the
+            # device that make the host state fit, if the device has room for them now.
+            free, total = reading
+            on_device = records_to_free_host(records, shortage, lambda r: host_needed([r]),
+                                             lambda r: r.numel * per_element, free - auto_margin(total))
+            needed = host_needed(records[len(on_device):])
+        host_records = records[len(on_device):]
         check_host_ram(needed, 2 * num_slots * slot_bytes)
 
         self.binding = bind_for(device, sysfs_root)  # before any host state is touched
-        self._host = allocate_host_state(records, moments=moments, accumulate=accumulate, state_dtype=state_dtype)
+        self._host = allocate_host_state(host_records, moments=moments, accumulate=accumulate,
+                                         state_dtype=state_dtype)
+        self._device = DeviceState(on_device, algorithm=self._algorithm, state_dtype=state_dtype,
+                                   accumulate=accumulate, track_norms=tracking)
+        self._device_per_element = per_element
+        self._auto = AutoSplit(device) if gpu_state == "auto" else None
         transfer = make_transfer(device)
         # NOTE: the pinned rings are allocated before anything touches the model,
         # so a failed allocation leaves the parameters as they were.
@@ -181,7 +217,7 @@ class FullCPUOffloadOptimizer(WindowControls, torch.optim.Optimizer):
         try:
             originals = cast_to_compute(records, compute_dtype=compute_dtype, keep_fp32=keep)
             if grad_copy == "host":
-                allocate_retained(records, self._host)
+                allocate_retained(host_records, self._host)
             self._pipeline = Pipeline(transfer=transfer, algorithm=self._algorithm, d2h=d2h, h2d=h2d,
                                       accumulate=accumulate, timeout_s=float(timeout_s), skip_nonfinite=skip_nonfinite,
                                       copy_grads=grad_copy == "host",
@@ -217,7 +253,7 @@ class FullCPUOffloadOptimizer(WindowControls, torch.optim.Optimizer):
         self._pinned_bytes = d2h.nbytes + h2d.nbytes
         self._pid = os.getpid()
         note_versions(records)
-        self._state = StateMapping(records, guard=lambda what: None if (w := ref()) is None else w._check_idle(what))
+        self._build_state_mapping()
         self._finalizer = weakref.finalize(self, _shutdown, records, self._pipeline, transfer)
         if any(dtype.itemsize > compute_dtype.itemsize for dtype in originals.values()):
             watch_first_forward(self, compute_dtype)  # explains the dtype error of fp32 inputs
@@ -262,9 +298,12 @@ class FullCPUOffloadOptimizer(WindowControls, torch.optim.Optimizer):
         if grad.shape != rec.shape:
             raise RuntimeError(f"gradient of {rec.name} has shape {tuple(grad.shape)}, expected {tuple(rec.shape)}")
         grad = grad.detach().reshape(-1)
-        self._pipeline.stage_grad(rec, grad, add=rec.has_accum)
-        if self.grad_copy == "device":
-            rec.retained = grad  # NOTE: kept on the device until the window closes, for a redo
+        if rec.on_device:
+            self._device.take_grad(rec, grad, final=self._proto.final, add=rec.has_accum)
+        else:
+            self._pipeline.stage_grad(rec, grad, add=rec.has_accum)
+            if self.grad_copy == "device":
+                rec.retained = grad  # NOTE: kept on the device until the window closes, for a redo
         rec.arrived = self._proto.micro
         rec.has_accum = self._accumulate
         rec.holds_grad = True
@@ -348,7 +387,8 @@ class FullCPUOffloadOptimizer(WindowControls, torch.optim.Optimizer):
         """The window's optimizer step is complete and validated on the host and the
         device (the window stays open for clip_grad_norm_ until step()): APPLIED."""
         self._guarded(lambda: finish_window(self._records, self._pipeline, self._transfer,
-                                            zero_fill=self._proto.zero_fill))
+                                            zero_fill=self._proto.zero_fill, device=self._device))
+        self._guarded(self._device.read_norms)
         with deferred_interrupts():  # NOTE: a Ctrl-C during the validation lands after it, in APPLIED
             self._guarded(self._validator.after_final_pass)
             self._proto.move(Phase.APPLIED)
@@ -366,8 +406,37 @@ class FullCPUOffloadOptimizer(WindowControls, torch.optim.Optimizer):
             raise
         self._proto.blocked_s += time.perf_counter() - t0
 
+    def _build_state_mapping(self) -> None:
+        ref = weakref.ref(self)
+        self._state = StateMapping(self._records,
+                                   guard=lambda what: None if (w := ref()) is None else w._check_idle(what))
+
+    def _settle_split(self) -> None:
+        """gpu_state="auto": once the first windows' peak is known, move the state of the first
+        host parameters that fit in what they leave free to the device (between windows)."""
+        if self._auto is None or self._auto.settled:
+            return
+        budget = self._auto.observe()
+        if not budget:
+            return
+        chosen = choose_device_records([r for r in self._records if not r.on_device], budget,
+                                       self._device_per_element)
+        try:
+            self._device.add(chosen)
+        except torch.OutOfMemoryError:  # NOTE: each record moves whole: those moved stay, the rest stay on the host
+            warnings.warn("cpu_offload: gpu_state='auto' stopped moving state to the device: out of memory",
+                          RuntimeWarning, stacklevel=_user_stacklevel())
+        self._build_state_mapping()
+
+    def _step_device_state(self) -> None:
+        """The window closes with its final factor: step the device records (none after a
+        skipped step)."""
+        if not self._validator.skipped:
+            note_versions(self._device.step(self._pipeline.hparams, self._validator.scale))
+
     def _close_window(self, *, abandoned: bool = False) -> None:
         reset_window(self._records, self._pipeline)
+        self._device.reset_window()
         if self.grad_copy == "device":
             for rec in self._records:
                 rec.retained = None
@@ -411,12 +480,14 @@ class FullCPUOffloadOptimizer(WindowControls, torch.optim.Optimizer):
         """``blocked_before``: the window's blocked time up to this step() call, whose own
         time (its guarded work included) counts once, from ``t0``."""
         self._guarded(self._validator.apply)
+        self._guarded(self._step_device_state)
         self._transfer.set_compute_stream()
         self._transfer.compute_waits_for_h2d()
         v = self._validator
         stats = dict(self._pipeline.stats)
         stats.update(step_blocked_s=blocked_before + time.perf_counter() - t0,
-                     pinned_bytes=self._pinned_bytes, host_bytes=self._host.nbytes, backward_passes=passes,
+                     pinned_bytes=self._pinned_bytes, host_bytes=self._host.nbytes,
+                     gpu_state_bytes=self._device.nbytes, backward_passes=passes,
                      grad_norm=v.grad_norm, clip_coef=v.clip_coef, skipped=v.skipped)
         self._pipeline.stats.clear()
         self._close_window()
@@ -425,6 +496,7 @@ class FullCPUOffloadOptimizer(WindowControls, torch.optim.Optimizer):
         for key in ("d2h_bytes", "h2d_bytes", "chunks", "kernel_s", "accumulate_s"):
             stats.setdefault(key, 0)
         self._proto.last_stats = stats
+        self._settle_split()
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         """Drop gradients. In the middle of an accumulation window this discards
@@ -446,6 +518,7 @@ class FullCPUOffloadOptimizer(WindowControls, torch.optim.Optimizer):
         elif self._proto.phase is Phase.APPLIED:
             with deferred_interrupts():  # NOTE: as in step()
                 self._guarded(self._validator.apply)
+                self._guarded(self._step_device_state)
                 self._close_window()
         if self._proto.phase is Phase.APPLIED and not self._proto.warned_zero_grad:
             self._proto.warned_zero_grad = True
@@ -492,6 +565,7 @@ class FullCPUOffloadOptimizer(WindowControls, torch.optim.Optimizer):
         if self._proto.phase is Phase.APPLIED:  # the loaded state replaces the window's step
             with deferred_interrupts():  # NOTE: as in step()
                 self._guarded(self._validator.apply)
+                self._guarded(self._step_device_state)
                 self._close_window()
                 self._proto.move(Phase.IDLE)
 

@@ -15,7 +15,7 @@ from cpu_offload._common.checks import check_int
 from cpu_offload.optim import SignSGD
 from cpu_offload._full.packing import align_up
 
-__all__ = ["check_optimizer", "check_options", "staging_rings", "read_hparams"]
+__all__ = ["check_optimizer", "check_options", "check_gpu_state", "staging_rings", "read_hparams"]
 
 _UNSUPPORTED_ADAMW = ("amsgrad", "maximize", "capturable", "differentiable")
 
@@ -62,6 +62,14 @@ def check_options(*, algorithm: str, grad_accum_steps, compute_dtype, state_dtyp
 GRAD_COPY_PLACES = ("device", "host")
 
 
+def check_gpu_state(gpu_state) -> None:
+    """``gpu_state``: None (every state on the host), a byte budget, or ``"auto"``."""
+    if gpu_state is None or gpu_state == "auto":
+        return
+    if isinstance(gpu_state, bool) or not isinstance(gpu_state, int) or gpu_state < 0:
+        raise ValueError(f"gpu_state must be None, a number of bytes >= 0 or 'auto', got {gpu_state!r}")
+
+
 def check_clipping_options(*, max_grad_norm, skip_nonfinite, grad_copy) -> Optional[float]:
     if grad_copy not in GRAD_COPY_PLACES:
         raise ValueError(f"grad_copy must be one of {', '.join(map(repr, GRAD_COPY_PLACES))}, got {grad_copy!r}")
@@ -101,7 +109,7 @@ def staging_rings(records, keep: set, compute_dtype, *, pinned_bytes: Optional[i
             pinned_bytes = PINNED_MIN
     if num_slots is None:
         num_slots = max(4, pinned_bytes // (2 * SLOT_BYTES))
-    return num_slots, min(pinned_bytes // (2 * num_slots), align_up(grad_bytes + 64 * len(records), 4096))
+    return num_slots, max(4096, min(pinned_bytes // (2 * num_slots), align_up(grad_bytes + 64 * len(records), 4096)))
 
 
 # With bf16 moments a rolled-back step is recomputed from the rounded moments: the update

@@ -15,27 +15,35 @@ from cpu_offload._full.host_state import note_versions
 __all__ = ["finish_window", "salvage_window", "reset_window"]
 
 
-def finish_window(records, pipeline, transfer, *, zero_fill: bool) -> None:
+def finish_window(records, pipeline, transfer, *, zero_fill: bool, device=None) -> None:
     """The window's last backward has ended (or step() closes a short window):
     step what is only on the host, wait for every update to land on the device.
 
     ``zero_fill``: torch keeps zero gradients after ``zero_grad(set_to_none=False)``,
     so parameters that hold one but got no gradient are stepped with zeros.
+    ``device``: the DeviceState; its records are only marked here (stepped when the
+    window closes, device_state.py).
     """
-    if zero_fill:
-        for rec in records:
-            if rec.holds_grad and rec.pieces_total == 0 and not rec.has_accum:
-                zeros = torch.zeros(rec.numel, dtype=rec.local().dtype)
-                pipeline.stage_grad(rec, zeros, add=False)
-                if rec.accum is None and rec.retained is None:  # grad_copy="device": the kept gradient
-                    rec.retained = zeros
-    pipeline.stage_from_host([r for r in records if r.has_accum and r.pieces_total == 0])
+    for rec in records:
+        if rec.pieces_total or not (rec.has_accum or (zero_fill and rec.holds_grad)):
+            continue
+        if rec.on_device:
+            if rec.has_accum:
+                device.take_accumulated(rec)
+            else:
+                device.stage_zeros(rec)
+        elif not rec.has_accum:
+            zeros = torch.zeros(rec.numel, dtype=rec.local().dtype)
+            pipeline.stage_grad(rec, zeros, add=False)
+            if rec.accum is None and rec.retained is None:  # grad_copy="device": the kept gradient
+                rec.retained = zeros
+    pipeline.stage_from_host([r for r in records if r.has_accum and r.pieces_total == 0 and not r.on_device])
     pipeline.drain()
     transfer.compute_waits_for_h2d()
     err = pipeline.take_error()
     if err is not None:
         raise err
-    note_versions([r for r in records if r.pieces_total])
+    note_versions([r for r in records if r.pieces_total and not r.on_device])
 
 
 def salvage_window(records, pipeline, transfer) -> tuple[list, list]:

@@ -18,59 +18,11 @@ import torch
 import torch.nn as nn
 
 import cpu_offload
-from helpers import free_port, records_of
+from helpers import LM, TOKENS, capture_local_grads, free_port, loss_fn, make_opt, records_of, shard_blocks, tokens
 from cpu_offload import offload_optimizer
 from cpu_offload.reference import adamw_reference_
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
-
-VOCAB, TOKENS = 4096, 128
-
-
-class LM(nn.Module):
-    """Embedding, MLP blocks with residuals, untied head: parameters dominate memory."""
-
-    def __init__(self, d=256, blocks=2, vocab=VOCAB):
-        super().__init__()
-        self.emb = nn.Embedding(vocab, d)
-        self.blocks = nn.ModuleList(nn.Sequential(nn.Linear(d, 4 * d), nn.GELU(), nn.Linear(4 * d, d))
-                                    for _ in range(blocks))
-        self.head = nn.Linear(d, vocab, bias=False)
-
-    def forward(self, tokens):
-        h = self.emb(tokens)
-        for b in self.blocks:
-            h = h + b(h)
-        return self.head(h)
-
-
-def tokens(step, micro=0, device="cuda"):
-    g = torch.Generator().manual_seed(7919 * step + micro)
-    return torch.randint(0, VOCAB, (1, TOKENS), generator=g).to(device)
-
-
-def loss_fn(model, t):
-    logits = model(t[:, :-1]).float()
-    return nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]), t[:, 1:].reshape(-1))
-
-
-def make_opt(model):
-    decay = [p for n, p in model.named_parameters() if p.dim() > 1]
-    other = [p for n, p in model.named_parameters() if p.dim() <= 1]
-    return torch.optim.AdamW([{"params": decay, "weight_decay": 0.1}, {"params": other, "weight_decay": 0.0}],
-                             lr=1e-3, betas=(0.9, 0.95))
-
-
-def capture(model):
-    """Per-parameter local gradients of each backward, as fp32 on the CPU."""
-    grads = {}
-    for n, p in model.named_parameters():
-        def hook(p, n=n):
-            g = p.grad.to_local() if hasattr(p.grad, "to_local") else p.grad
-            grads.setdefault(n, []).append(g.detach().float().cpu())
-        p.register_post_accumulate_grad_hook(hook)
-    return grads
-
 
 def check_against_reference(model, opt, init, history):
     """Replay the captured gradients on fp32 copies: reference (exact), torch AdamW (close)."""
@@ -116,23 +68,12 @@ def train(model, opt, steps, accum=1, history=None, grads=None):
             history.append({n: list(g) for n, g in grads.items()})
 
 
-def _fsdp(model, world=None):
-    from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.fsdp import fully_shard
-
-    mesh = init_device_mesh("cuda", (world or torch.distributed.get_world_size(),))
-    for b in model.blocks:
-        fully_shard(b, mesh=mesh)
-    fully_shard(model, mesh=mesh)
-    return model
-
-
 @pytest.mark.parametrize("accum", [1, 2])
 def test_single_gpu_plain_equivalence(accum):
     torch.manual_seed(0)
     model = LM().cuda()
     init = {n: p.detach().float().cpu() for n, p in model.named_parameters()}
-    grads = capture(model)
+    grads = capture_local_grads(model)
     opt = offload_optimizer(make_opt(model), offload="full", grad_accum_steps=accum, pinned_bytes=1 << 21)
     history = []
     train(model, opt, range(5), accum, history, grads)
@@ -143,9 +84,9 @@ def test_single_gpu_plain_equivalence(accum):
 
 def test_single_gpu_fsdp2_equivalence(single_rank_group):
     torch.manual_seed(0)
-    model = _fsdp(LM().cuda())
+    model = shard_blocks(LM().cuda())
     init = {n: p.full_tensor().detach().float().cpu() for n, p in model.named_parameters()}
-    grads = capture(model)
+    grads = capture_local_grads(model)
     opt = offload_optimizer(make_opt(model), offload="full", grad_accum_steps=2, pinned_bytes=1 << 21)
     history = []
     train(model, opt, range(4), 2, history, grads)
@@ -166,7 +107,7 @@ def test_hundred_steps_no_memory_growth(fsdp, request):
     torch.manual_seed(0)
     model = LM().cuda()
     if fsdp:
-        model = _fsdp(model)
+        model = shard_blocks(model)
     opt = offload_optimizer(make_opt(model), offload="full", pinned_bytes=1 << 22)
     after, peaks = [], []
     for s in range(100):
@@ -250,9 +191,9 @@ def worker(out_dir):
     dist.init_process_group("nccl")
     rank = dist.get_rank()
     torch.manual_seed(0)
-    model = _fsdp(LM().cuda())
+    model = shard_blocks(LM().cuda())
     init = {n: p.to_local().detach().float().cpu() for n, p in model.named_parameters()}
-    grads = capture(model)
+    grads = capture_local_grads(model)
     opt = offload_optimizer(make_opt(model), offload="full", grad_accum_steps=2, pinned_bytes=1 << 21)
     history = []
     train(model, opt, range(4), 2, history, grads)  # the same tokens on both ranks

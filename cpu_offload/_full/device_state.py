@@ -1,0 +1,288 @@
+# Part of full offload's state kept on the device (``gpu_state=``): parameters whose fp32
+# master and moments stay in device memory and are stepped there, by the operations of
+# cpu_offload/reference.py (each one float32 operation, correctly rounded, in the native
+# kernel's order, no fused multiply-add; the square root in float64, rounded once), so a
+# parameter's values are bit-identical whichever device stepped it.
+#
+# Which parameters: the first ones in the optimizer's order, up to the byte budget. Their
+# gradients arrive last in backward (a model's parameters are registered in forward order),
+# so the CPU pipeline, which steps chunks in arrival order and lags behind the GPU, keeps
+# the whole of backward to itself and ends earlier by what it no longer steps; the GPU steps
+# its share once backward is over, in a fraction of the time.
+#
+# NOTE: never stepped speculatively: device parameters are stepped when the window closes
+# (step(), or zero_grad() after the window's last backward), with the window's final factor,
+# so no rollback touches device state and a skipped step (a non-finite gradient) leaves it as
+# it was. Their gradient stays on the device until then: the gradient itself (2 B per
+# parameter) or, with accumulation, an fp32 accumulator in device memory.
+#
+# Scope: choosing the device parameters, their state, their gradients and norms, their step.
+# Non-goals: the host pipeline (pipeline.py), deciding skip / clip (validation.py).
+
+from __future__ import annotations
+
+import math
+from typing import Optional
+
+import torch
+
+__all__ = ["DeviceState", "AutoSplit", "choose_device_records", "device_bytes_per_element", "memory_reading",
+           "free_memory", "auto_margin", "records_to_free_host"]
+
+# Elements stepped per pass: bounds the temporaries (about 20 B per element: the fp32
+# gradient, an fp32 product, the float64 square root) whatever the parameter's size.
+_PIECE = 1 << 24
+
+
+def device_bytes_per_element(*, moments: bool, state_dtype: torch.dtype, accumulate: bool) -> int:
+    """Device bytes per element a parameter's state takes when kept on the device."""
+    return 4 + (2 * state_dtype.itemsize if moments else 0) + (4 if accumulate else 0)
+
+
+def choose_device_records(records: list, budget: int, per_element: int) -> list:
+    """The records whose state goes on the device: the first in the optimizer's order
+    whose bytes fit, in order, in ``budget`` (the first that does not fit ends the list)."""
+    chosen, used = [], 0
+    for rec in records:
+        cost = rec.numel * per_element
+        if used + cost > budget:
+            break
+        chosen.append(rec)
+        used += cost
+    return chosen
+
+
+# gpu_state="auto": the windows whose peak memory is observed before the split settles.
+AUTO_WINDOWS = 3
+
+
+def memory_reading(device: torch.device) -> Optional[tuple[int, int]]:
+    """``(total, peak allocated)`` bytes of a CUDA device (the peak since the caller's last
+    reset, which covers the window that just ended); None on other devices."""
+    if device.type != "cuda":
+        return None
+    return torch.cuda.get_device_properties(device).total_memory, torch.cuda.max_memory_allocated(device)
+
+
+def free_memory(device: torch.device) -> Optional[tuple[int, int]]:
+    """``(free, total)`` bytes of a CUDA device now; None on other devices."""
+    if device.type != "cuda":
+        return None
+    return torch.cuda.mem_get_info(device)
+
+
+def auto_margin(total: int) -> int:
+    """Device memory ``"auto"`` leaves free above the observed peak: 10% of the device, at
+    least 4 GiB. NOTE: it covers the caching allocator's fragmentation, windows that peak
+    higher than the observed ones (a longer sequence in the batch), and the device step's
+    temporaries (about 20 B x 2**24 elements, 0.3 GiB)."""
+    return max(4 << 30, total // 10)
+
+
+def records_to_free_host(records: list, shortage: int, host_bytes, device_bytes, room: int) -> list:
+    """The fewest first records whose host bytes add up to ``shortage``, when their device
+    bytes fit in ``room``; [] when they do not (the host RAM check then fails as before)."""
+    chosen, saved, cost = [], 0, 0
+    for rec in records:
+        if saved >= shortage:
+            break
+        chosen.append(rec)
+        saved += host_bytes(rec)
+        cost += device_bytes(rec)
+    return chosen if saved >= shortage and cost <= room else []
+
+
+class AutoSplit:
+    """``gpu_state="auto"``: reads the device's peak memory after each of the first windows,
+    then gives the budget once (total - peak - margin), or 0 when there is no reading."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.device = device
+        self.peaks: list = []
+        self.settled = False
+        self.budget: Optional[int] = None
+
+    def observe(self) -> Optional[int]:
+        """After a window closed: the budget when the split settles now, else None."""
+        if self.settled:
+            return None
+        reading = memory_reading(self.device)
+        if reading is None:
+            self.settled, self.budget = True, 0
+            return 0
+        total, peak = reading
+        self.peaks.append(peak)
+        if len(self.peaks) < AUTO_WINDOWS:
+            return None
+        self.settled = True
+        self.budget = max(0, total - max(self.peaks) - auto_margin(total))
+        return self.budget
+
+
+def _f32(value: float, like: torch.Tensor) -> torch.Tensor:
+    """A 0-d float32 operand on ``like``'s device: multiplying by it rounds like the
+    reference's full tensor of that value (a Python scalar might not: see reference.py)."""
+    return torch.tensor(value, dtype=torch.float32, device=like.device)
+
+
+def adamw_piece_(p, grad, m, v, step: int, *, lr, beta1, beta2, eps, weight_decay, grad_scale, out=None) -> None:
+    """adamw_reference_ on flat views, in place, with fewer temporaries (same operations,
+    same order); ``out``: the compute copy, set to round(p)."""
+    bc1 = 1.0 - beta1 ** step                      # in double, once per tensor
+    bc2_sqrt = math.sqrt(1.0 - beta2 ** step)
+    g = grad.float() * _f32(grad_scale, p)
+    p.mul_(_f32(1.0 - lr * weight_decay, p))                                  # decoupled weight decay
+    m32 = m if m.dtype == torch.float32 else m.float()
+    m32.mul_(_f32(beta1, p)).add_(g * _f32(1.0 - beta1, p))                   # m = b1*m + (1-b1)*g
+    v32 = v if v.dtype == torch.float32 else v.float()
+    v32.mul_(_f32(beta2, p)).add_((g * _f32(1.0 - beta2, p)).mul_(g))         # v = b2*v + ((1-b2)*g)*g
+    denom = torch.sqrt(v32.double()).float().add_(_f32(eps * bc2_sqrt, p))   # sqrt(v) + eps*sqrt(bc2)
+    p.add_((m32 * _f32(-(lr * bc2_sqrt / bc1), p)).div_(denom))              # p + (c*m)/denom
+    if m32 is not m:
+        m.copy_(m32)                               # bf16 moments: rounded only here
+        v.copy_(v32)
+    if out is not None:
+        out.copy_(p)
+
+
+def sign_sgd_piece_(p, grad, *, lr, weight_decay, out=None) -> None:
+    """sign_sgd_reference_ in place: p <- p*(1 - lr*wd); p <- p - lr*sign(g)."""
+    p.mul_(_f32(1.0 - lr * weight_decay, p))
+    p.sub_(torch.sign(grad.float()).mul_(_f32(lr, p)))
+    if out is not None:
+        out.copy_(p)
+
+
+class DeviceState:
+    """The device parameters of one full-offload optimizer.
+
+    Args:
+        records: the device records at construction (``add`` gives them their state).
+        algorithm: ``"adamw"`` or ``"sign_sgd"``.
+        state_dtype: AdamW's moments' dtype.
+        accumulate: grad_accum_steps > 1.
+        track_norms: compute each gradient's norm when it arrives (the non-finite guard, clipping).
+    """
+
+    def __init__(self, records: list, *, algorithm: str, state_dtype: torch.dtype, accumulate: bool,
+                 track_norms: bool) -> None:
+        self.records: list = []
+        self.algorithm = algorithm
+        self.state_dtype = state_dtype
+        self.accumulate = accumulate
+        self.track_norms = track_norms
+        self._events: dict = {}  # id(rec) -> event after its gradient (CUDA)
+        self._norms: Optional[torch.Tensor] = None
+        self._slot: dict = {}
+        self.add(records)
+
+    def add(self, records: list) -> None:
+        """Move ``records``' state to their parameters' device: a new record takes its
+        master from its weights and zero moments; one with host state (``gpu_state="auto"``
+        settling, between windows) takes its master and moments from there. Its host views
+        are dropped (the flat host buffers stay allocated)."""
+        moments = self.algorithm == "adamw"
+        with torch.no_grad():
+            for rec in records:
+                device = rec.local().device
+                src = rec.local().detach().reshape(-1) if rec.master is None else rec.master
+                master = src.to(device=device, dtype=torch.float32, copy=True)
+                exp_avg = exp_avg_sq = None
+                if moments:
+                    exp_avg = torch.zeros(rec.numel, dtype=self.state_dtype, device=device)
+                    exp_avg_sq = torch.zeros(rec.numel, dtype=self.state_dtype, device=device)
+                    if rec.exp_avg is not None:
+                        exp_avg.copy_(rec.exp_avg)
+                        exp_avg_sq.copy_(rec.exp_avg_sq)
+                rec.master, rec.exp_avg, rec.exp_avg_sq = master, exp_avg, exp_avg_sq
+                rec.accum = torch.zeros(rec.numel, dtype=torch.float32, device=device) if self.accumulate else None
+                rec.retained = None
+                rec.on_device = True
+                self._slot[id(rec)] = len(self.records)
+                self.records.append(rec)
+        self._norms = None
+
+    @property
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for r in self.records
+                   for t in (r.master, r.exp_avg, r.exp_avg_sq, r.accum) if t is not None)
+
+    # ------------------------------------------------------------ during backward
+    def take_grad(self, rec, grad: torch.Tensor, *, final: bool, add: bool) -> None:
+        """The gradient of a device record arrived (flat, on the device)."""
+        if self.accumulate:
+            if add:
+                rec.accum.add_(grad.float())          # fp32 sum in arrival order, like accumulate_
+            else:
+                rec.accum.copy_(grad)
+        else:
+            rec.retained = grad  # NOTE: kept until the window closes: the step reads it then
+        if final:
+            self._mark_final(rec)
+        if grad.is_cuda:
+            event = torch.cuda.Event()
+            event.record()  # the current stream produced the gradient (FSDP2: its reduce-scatter stream)
+            self._events[id(rec)] = event
+
+    def take_accumulated(self, rec) -> None:
+        """The window's last pass gave no gradient to ``rec``: it is stepped on what its
+        accumulator holds from the earlier passes."""
+        self._mark_final(rec)
+
+    def _mark_final(self, rec) -> None:
+        rec.plan_step(1)
+        if self.track_norms:
+            window = rec.accum if self.accumulate else rec.retained
+            if self._norms is None:
+                self._norms = torch.zeros(len(self.records), dtype=torch.float64, device=window.device)
+            # NOTE: float64, as the host path's norms (grad_norms.py)
+            self._norms[self._slot[id(rec)]] = torch.linalg.vector_norm(window, dtype=torch.float64)
+
+    def read_norms(self) -> None:
+        """Set ``grad_sq`` of the window's device records (one device-to-host read)."""
+        recs = [r for r in self.records if r.pieces_total]
+        if not (self.track_norms and recs and self._norms is not None):
+            return
+        norms = self._norms.cpu()
+        for rec in recs:
+            n = float(norms[self._slot[id(rec)]])
+            rec.grad_sq = n * n
+
+    def stage_zeros(self, rec) -> None:
+        """``zero_grad(set_to_none=False)``: a parameter that holds a zero gradient is stepped with it."""
+        self.take_grad(rec, torch.zeros(rec.numel, dtype=rec.local().dtype, device=rec.local().device),
+                       final=True, add=False)
+
+    # ------------------------------------------------------------ the step
+    def step(self, hparams: list, grad_scale: float) -> list:
+        """Step every device record of the window not stepped yet, with ``grad_scale``;
+        returns them."""
+        stepped = []
+        with torch.no_grad():
+            for rec in self.records:
+                if not rec.pieces_total or rec.stepped:
+                    continue
+                event = self._events.get(id(rec))
+                if event is not None:
+                    torch.cuda.current_stream(rec.master.device).wait_event(event)
+                grad = rec.accum if self.accumulate else rec.retained
+                hp = hparams[rec.group]
+                local = rec.local().detach().view(-1)
+                for start in range(0, max(rec.numel, 1), _PIECE):
+                    piece = slice(start, start + _PIECE)
+                    out = local[piece]
+                    if self.algorithm == "adamw":
+                        adamw_piece_(rec.master[piece], grad[piece], rec.exp_avg[piece], rec.exp_avg_sq[piece],
+                                     rec.step + 1, lr=hp["lr"], beta1=hp["beta1"], beta2=hp["beta2"], eps=hp["eps"],
+                                     weight_decay=hp["weight_decay"], grad_scale=grad_scale, out=out)
+                    else:
+                        sign_sgd_piece_(rec.master[piece], grad[piece], lr=hp["lr"],
+                                        weight_decay=hp["weight_decay"], out=out)
+                rec.piece_stepped()
+                stepped.append(rec)
+        return stepped
+
+    def reset_window(self) -> None:
+        self._events.clear()
+        for rec in self.records:
+            rec.retained = None

@@ -1,0 +1,180 @@
+# Part of the state on the device (gpu_state=), on CPU parameters: the "device" is then the
+# CPU and its records are stepped by device_state.py's operations instead of the native
+# kernel. Any split trains bit for bit like the all-host run (AdamW with fp32 or bf16
+# moments, SignSGD, accumulation, zero-filled gradients, skipped steps); under clipping the
+# device records equal the reference stepped with each window's final coefficient; the
+# budget picks the first parameters; checkpoints load across splits; bad values are refused.
+import math
+
+import pytest
+import torch
+
+from cpu_offload._full import device_state
+from cpu_offload._full.device_state import device_bytes_per_element
+from cpu_offload._full.optimizer import FullCPUOffloadOptimizer
+from cpu_offload.reference import adamw_reference_
+from helpers import SMALL, batches, build, capture, host_bytes_of, named, records_of
+
+EVERYTHING = 1 << 40
+FIRST_TWO = 1600 * 12  # l1.weight and l1.bias (1600 elements) with fp32 AdamW state, no accumulator
+
+
+def first_two(kind, k, state_dtype):
+    """The budget of l1.weight's and l1.bias's device state."""
+    return 1600 * device_bytes_per_element(moments=kind == "adamw", state_dtype=state_dtype, accumulate=k > 1)
+
+
+def train(kind, k, steps, *, gpu_state, zero_fill=False, nan_at=None, loss_scale=1.0, clip=None, **opts):
+    model, opt = build(kind)
+    grads = capture(model)
+    off = FullCPUOffloadOptimizer(opt, grad_accum_steps=k, gpu_state=gpu_state, **SMALL, **opts)
+    history = []
+    for s in range(steps):
+        grads.clear()
+        for x, extra in batches(s, k):
+            scale = math.nan if s == nan_at else loss_scale * (1 + s % 3)
+            (model(x.to(torch.bfloat16), use_extra=extra).float().pow(2).mean() * scale).backward()
+        if clip is not None:
+            off.clip_grad_norm_(clip)
+        off.step()
+        history.append((off.stats()["clip_coef"], {n: sum(g[1:], g[0].clone()) for n, g in grads.items()}))
+        off.zero_grad(set_to_none=not zero_fill)
+    return model, off, history
+
+
+def state_of(model, off):
+    return {n: (r.master.cpu().clone(), None if r.exp_avg is None else r.exp_avg.cpu().clone(),
+                None if r.exp_avg_sq is None else r.exp_avg_sq.cpu().clone(), r.step, r.param.detach().clone())
+            for n, r in named(model, off).items()}
+
+
+def assert_same_state(a, b):
+    assert a.keys() == b.keys()
+    for n in a:
+        for x, y in zip(a[n], b[n]):
+            assert (x == y) if not torch.is_tensor(x) else torch.equal(x, y), n
+
+
+@pytest.mark.filterwarnings("ignore:cpu_offload. optimizer step skipped")
+@pytest.mark.parametrize("kind, k, state_dtype, zero_fill", [
+    ("adamw", 1, torch.float32, False), ("adamw", 2, torch.float32, True), ("adamw", 1, torch.bfloat16, True),
+    ("adamw", 3, torch.bfloat16, False), ("sign_sgd", 1, torch.float32, False), ("sign_sgd", 2, torch.float32, True)])
+@pytest.mark.parametrize("split", ["first two", "everything"])
+def test_any_split_trains_bit_for_bit_like_the_all_host_run(kind, k, state_dtype, zero_fill, split):
+    opts = dict(state_dtype=state_dtype) if kind == "adamw" else {}
+    budget = first_two(kind, k, state_dtype) if split == "first two" else EVERYTHING
+    host_model, host, _ = train(kind, k, 6, gpu_state=None, zero_fill=zero_fill, nan_at=3, **opts)
+    split_model, split, _ = train(kind, k, 6, gpu_state=budget, zero_fill=zero_fill, nan_at=3, **opts)
+    on_device = [r.name for r in records_of(split) if r.on_device]
+    assert len(on_device) == (2 if budget != EVERYTHING else len(records_of(split)))
+    assert host.stats()["gpu_state_bytes"] == 0 and split.stats()["gpu_state_bytes"] > 0
+    assert split.stats()["host_bytes"] < host.stats()["host_bytes"]
+    assert host.stats()["skipped_steps"] == split.stats()["skipped_steps"] == 1  # the NaN step
+    assert_same_state(state_of(host_model, host), state_of(split_model, split))
+
+
+@pytest.mark.parametrize("how", ["max_grad_norm", "clip_grad_norm_"])
+@pytest.mark.parametrize("k, state_dtype", [(1, torch.float32), (2, torch.bfloat16)])
+def test_clipped_device_records_equal_the_reference_with_each_final_coefficient(k, state_dtype, how):
+    clip = dict(max_grad_norm=1e-4) if how == "max_grad_norm" else dict(clip=1e-4)
+    model, off, history = train("adamw", k, 8, gpu_state=first_two("adamw", k, state_dtype), state_dtype=state_dtype,
+                                **clip)
+    ref_model, _ = build("adamw")  # the same initial fp32 weights: the masters start from them
+    for name, rec in named(model, off).items():
+        if not rec.on_device:
+            continue
+        p = ref_model.get_parameter(name).detach().float().clone().reshape(-1)
+        m, v, step = torch.zeros_like(p, dtype=state_dtype), torch.zeros_like(p, dtype=state_dtype), 0
+        group = off.param_groups[rec.group]
+        for coef, grads in history:
+            assert coef is not None and coef < 1.0  # every step clips
+            step += 1
+            adamw_reference_(p, grads[name].reshape(-1), m, v, step, lr=group["lr"], beta1=group["betas"][0],
+                             beta2=group["betas"][1], eps=group["eps"], weight_decay=group["weight_decay"],
+                             grad_scale=coef)
+        assert torch.equal(rec.master, p) and torch.equal(rec.exp_avg, m) and torch.equal(rec.exp_avg_sq, v), name
+        assert rec.step == step
+
+
+def test_the_budget_takes_the_first_parameters_in_order():
+    model, opt = build("adamw")
+    off = FullCPUOffloadOptimizer(opt, gpu_state=FIRST_TWO - 1, **SMALL)  # l1.bias no longer fits after l1.weight
+    assert [r.on_device for r in records_of(off)] == [True] + [False] * (len(records_of(off)) - 1)
+    off.close()
+    model, opt = build("adamw")
+    off = FullCPUOffloadOptimizer(opt, gpu_state=0, **SMALL)
+    assert not any(r.on_device for r in records_of(off))
+
+
+@pytest.mark.parametrize("save_budget, load_budget", [(None, FIRST_TWO), (EVERYTHING, None), (FIRST_TWO, EVERYTHING)])
+def test_a_checkpoint_loads_with_any_split(save_budget, load_budget):
+    model, saved, _ = train("adamw", 1, 3, gpu_state=save_budget)
+    sd = saved.state_dict()
+    sd = {"state": {i: {k: v.clone() for k, v in e.items()} for i, e in sd["state"].items()},
+          "param_groups": sd["param_groups"]}
+    expected = state_of(model, saved)
+    other, opt = build("adamw", seed=1)
+    off = FullCPUOffloadOptimizer(opt, gpu_state=load_budget, **SMALL)
+    off.load_state_dict(sd)
+    loaded = state_of(other, off)
+    for n, (master, m, v, step, _) in expected.items():
+        assert torch.equal(loaded[n][0], master) and torch.equal(loaded[n][1], m) and torch.equal(loaded[n][2], v)
+        assert loaded[n][3] == step and torch.equal(loaded[n][4], master.view_as(loaded[n][4]).bfloat16()), n
+
+
+@pytest.mark.parametrize("bad", [-1, 1.5, True, "all", [1]])
+def test_bad_gpu_state_values_are_refused_naming_the_argument(bad):
+    model, opt = build("adamw")
+    with pytest.raises(ValueError, match="gpu_state"):
+        FullCPUOffloadOptimizer(opt, gpu_state=bad, **SMALL)
+    assert all(p.dtype == torch.float32 for p in model.parameters())  # nothing changed
+
+
+# ------------------------------------------------------------------ gpu_state="auto"
+GIB = 1 << 30
+
+
+def test_auto_settles_after_three_windows_within_its_budget_and_trains_bit_for_bit(monkeypatch):
+    # a fake device of 4 GiB + 40000 bytes whose windows peak at 1000 bytes: the margin is
+    # 4 GiB, so 39000 bytes are left for state
+    peaks = []
+    monkeypatch.setattr(device_state, "memory_reading", lambda device: peaks.append(1) or (4 * GIB + 40_000, 1000))
+    model, off, _ = train("adamw", 1, 2, gpu_state="auto")
+    assert not any(r.on_device for r in records_of(off)) and len(peaks) == 2  # not settled yet
+    host_model, host, _ = train("adamw", 1, 7, gpu_state=None)
+    auto_model, auto, _ = train("adamw", 1, 7, gpu_state="auto")
+    moved = [r for r in records_of(auto) if r.on_device]
+    budget = 40_000 - 1000
+    used = sum(r.numel * 12 for r in moved)
+    following = records_of(auto)[len(moved)]
+    assert moved == records_of(auto)[:len(moved)] and len(moved) == 5
+    assert used <= budget < used + following.numel * 12  # the first that did not fit ends the list
+    assert auto.stats()["gpu_state_bytes"] == used
+    assert_same_state(state_of(host_model, host), state_of(auto_model, auto))  # across the move, bit for bit
+
+
+def test_auto_without_a_memory_reading_keeps_everything_on_the_host():
+    model, off, _ = train("adamw", 1, 4, gpu_state="auto")  # CPU parameters: no reading
+    assert not any(r.on_device for r in records_of(off)) and off.stats()["gpu_state_bytes"] == 0
+
+
+def test_auto_puts_the_fewest_first_parameters_on_the_device_when_the_host_cannot_hold_the_state(monkeypatch):
+    from cpu_offload._full import host_state, optimizer as optimizer_module
+
+    model, opt = build("adamw")
+    full = FullCPUOffloadOptimizer(opt, **SMALL)
+    needed = host_bytes_of(full)
+    full.close()
+    pinned = 2 * SMALL["num_slots"] * (SMALL["pinned_bytes"] // (2 * SMALL["num_slots"]))
+    short = 19_000  # l1.weight alone frees 1536 x 12 = 18432 bytes: l1.bias (768 more) is needed too
+    for module in (host_state, optimizer_module):
+        monkeypatch.setattr(module, "available_host_ram", lambda: needed + pinned - short)
+    monkeypatch.setattr(device_state, "free_memory", lambda device: (8 * GIB, 8 * GIB))
+    model, opt = build("adamw")
+    off = FullCPUOffloadOptimizer(opt, gpu_state="auto", **SMALL)
+    assert [r.on_device for r in records_of(off)][:3] == [True, True, False]
+    off.close()
+    monkeypatch.setattr(device_state, "free_memory", lambda device: (4 * GIB + 1000, 8 * GIB))  # no room
+    model, opt = build("adamw")
+    with pytest.raises(MemoryError, match="host RAM"):
+        FullCPUOffloadOptimizer(opt, gpu_state="auto", **SMALL)

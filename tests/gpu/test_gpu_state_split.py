@@ -1,0 +1,109 @@
+# Part of full offload's state on the GPU (gpu_state=), on CUDA (marked gpu, skipped
+# without CUDA): over 20 steps, with a skipped NaN step, accumulation, bf16 moments and
+# FSDP2 (one rank), GPU-stepped parameters equal the all-host run bit for bit; under steady
+# clipping they equal the CPU reference stepped with each window's final coefficient.
+# Run: pytest -m gpu tests/gpu/test_gpu_state_split.py
+import math
+
+import pytest
+import torch
+
+from cpu_offload import offload_optimizer
+from cpu_offload._full.device_state import device_bytes_per_element
+from cpu_offload.reference import adamw_reference_
+from helpers import LM, capture_local_grads, loss_fn, make_opt, records_of, shard_blocks, tokens
+
+pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
+
+STEPS = 20
+
+
+def run(budget, *, accum, state_dtype, fsdp=False, nan_at=None, max_grad_norm=None, history=None):
+    torch.manual_seed(0)
+    model = LM().cuda()
+    if fsdp:
+        model = shard_blocks(model)
+    grads = capture_local_grads(model) if history is not None else None
+    opt = offload_optimizer(make_opt(model), offload="full", grad_accum_steps=accum, state_dtype=state_dtype,
+                            gpu_state=budget, max_grad_norm=max_grad_norm, pinned_bytes=1 << 21)
+    for s in range(STEPS):
+        if grads is not None:
+            grads.clear()
+        for micro in range(accum):
+            loss = loss_fn(model, tokens(s, micro))
+            (loss * (math.nan if s == nan_at else 1.0)).backward()
+        opt.step()
+        if history is not None:
+            history.append((opt.stats()["clip_coef"], {n: sum(g[1:], g[0].clone()) for n, g in grads.items()}))
+        opt.zero_grad()
+    torch.cuda.synchronize()
+    by_id = {id(p): n for n, p in model.named_parameters()}
+    state = {by_id[id(r.param)]: (r.on_device, r.master.cpu(), r.exp_avg.cpu(), r.exp_avg_sq.cpu(), r.step,
+                                  r.local().detach().cpu()) for r in records_of(opt)}
+    skipped = opt.stats()["skipped_steps"]
+    opt.close()
+    return model, state, skipped
+
+
+def embedding_budget(accum, state_dtype):
+    return 4096 * 256 * device_bytes_per_element(moments=True, state_dtype=state_dtype, accumulate=accum > 1)
+
+
+@pytest.mark.filterwarnings("ignore:cpu_offload. optimizer step skipped")
+@pytest.mark.parametrize("accum, state_dtype, fsdp", [(1, torch.bfloat16, False), (2, torch.float32, False),
+                                                      (2, torch.bfloat16, True)])
+def test_gpu_stepped_parameters_equal_the_all_host_run_bit_for_bit(accum, state_dtype, fsdp, request):
+    if fsdp:
+        request.getfixturevalue("single_rank_group")
+    _, host, host_skipped = run(None, accum=accum, state_dtype=state_dtype, fsdp=fsdp, nan_at=7)
+    _, split, split_skipped = run(embedding_budget(accum, state_dtype), accum=accum, state_dtype=state_dtype,
+                                  fsdp=fsdp, nan_at=7)
+    assert host_skipped == split_skipped == 1
+    assert [n for n, s in split.items() if s[0]] == ["emb.weight"]  # the first parameter, within its budget
+    for n in host:
+        for a, b in zip(host[n][1:], split[n][1:]):
+            assert (a == b) if isinstance(a, int) else torch.equal(a, b), n
+
+
+def test_steady_clipping_gpu_stepped_equals_the_cpu_reference_with_each_coefficient():
+    history = []
+    model, split, _ = run(embedding_budget(1, torch.bfloat16), accum=1, state_dtype=torch.bfloat16,
+                          max_grad_norm=1e-3, history=history)
+    torch.manual_seed(0)
+    init = LM()  # the same initial weights, on the CPU
+    p = init.emb.weight.detach().float().clone()
+    m, v = torch.zeros_like(p, dtype=torch.bfloat16), torch.zeros_like(p, dtype=torch.bfloat16)
+    for step, (coef, grads) in enumerate(history, 1):
+        assert coef < 1.0  # every step clips
+        adamw_reference_(p, grads["emb.weight"], m, v, step, lr=1e-3, beta1=0.9, beta2=0.95, eps=1e-8,
+                         weight_decay=0.1, grad_scale=coef)
+    on_device, master, exp_avg, exp_avg_sq, steps, local = split["emb.weight"]
+    assert on_device and steps == STEPS
+    assert torch.equal(master, p.reshape(-1)) and torch.equal(exp_avg, m.reshape(-1))
+    assert torch.equal(exp_avg_sq, v.reshape(-1)) and torch.equal(local, p.to(torch.bfloat16))
+
+
+def test_auto_moves_what_the_peak_leaves_free_and_stays_within_it():
+    from cpu_offload._full.device_state import AUTO_WINDOWS, auto_margin
+
+    torch.manual_seed(0)
+    model = LM().cuda()
+    opt = offload_optimizer(make_opt(model), offload="full", gpu_state="auto", pinned_bytes=1 << 21)
+    peaks = []
+    for s in range(AUTO_WINDOWS + 3):
+        torch.cuda.reset_peak_memory_stats()
+        loss_fn(model, tokens(s)).backward()
+        opt.step()
+        opt.zero_grad()
+        torch.cuda.synchronize()
+        peaks.append(torch.cuda.max_memory_allocated())
+        moved = [r.on_device for r in records_of(opt)]
+        assert all(moved) == (s >= AUTO_WINDOWS - 1) and (any(moved) == all(moved)), s  # this small model: all
+    total = torch.cuda.get_device_properties(0).total_memory
+    state = opt.stats()["gpu_state_bytes"]
+    assert state == sum(p.numel() * 12 for p in model.parameters())
+    before = max(peaks[:AUTO_WINDOWS])
+    # after the move: the observed peak, the state, and the device step's temporaries (< 0.5 GiB)
+    assert max(peaks[AUTO_WINDOWS:]) <= before + state + (1 << 29)
+    assert max(peaks) <= total - auto_margin(total)
+    opt.close()
