@@ -26,6 +26,10 @@
 #   full        offload_optimizer(offload="full"): bf16 weights on the GPU; fp32 masters and
 #               moments in host RAM (12 B per parameter)
 #   full_bf16   the same with state_dtype=torch.bfloat16 (8 B per parameter of host RAM)
+#   full_auto, full_bf16_auto   the same with gpu_state="auto": at construction the fewest
+#               first parameters whose state on the GPU makes the rest fit in host RAM;
+#               after 3 windows, as much state as the GPU has room for. These modes run 3
+#               more steps and time those after the split settled
 #
 # Configurations (ModelConfig of examples/llama_model.py; vocab 32000, untied head, no GQA
 # since the example's attention has none, so the counts differ a little from Llama's own):
@@ -72,11 +76,14 @@ EXAMPLES = ROOT / "examples"
 RESULT_TAG = "CAPACITY_RESULT "
 GIB = float(1 << 30)
 
-MODES = ("floor", "none", "full", "full_bf16")
-FULL_MODES = ("full", "full_bf16")
+MODES = ("floor", "none", "full", "full_bf16", "full_auto", "full_bf16_auto")
+FULL_MODES = ("full", "full_bf16", "full_auto", "full_bf16_auto")
+AUTO_MODES = ("full_auto", "full_bf16_auto")
+AUTO_WINDOWS = 3  # cpu_offload/_full/device_state.py: windows before the split settles
 # mode -> (offload=, state_dtype, dtype the model is materialised in on the device)
 MODE_OPTIONS = {"floor": (None, None, "bfloat16"), "none": ("none", "float32", "float32"),
-                "full": ("full", "float32", "bfloat16"), "full_bf16": ("full", "bfloat16", "bfloat16")}
+                "full": ("full", "float32", "bfloat16"), "full_bf16": ("full", "bfloat16", "bfloat16"),
+                "full_auto": ("full", "float32", "bfloat16"), "full_bf16_auto": ("full", "bfloat16", "bfloat16")}
 _LLAMA = dict(vocab_size=32000)
 CONFIGS = {
     "1b": dict(_LLAMA, d_model=2048, n_layers=16, n_heads=16, ffn_dim=5632),
@@ -249,29 +256,36 @@ def _train(ex, cfg: dict, device) -> dict:
         opt = floor_optimizer(model, cfg["lr"])
     else:
         opt = ex.build_optimizer(model, name="adamw", lr=cfg["lr"], weight_decay=0.1, offload=offload, grad_accum=1,
-                                 state_dtype=getattr(torch, state_dtype))
+                                 state_dtype=getattr(torch, state_dtype),
+                                 gpu_state="auto" if cfg["mode"] in AUTO_MODES else None)
     setup_s = time.perf_counter() - t0
     sched = ex.make_scheduler(opt, lr=cfg["lr"], warmup=1, total=cfg["steps"], min_ratio=0.1)
     settings = ex.StepSettings(batch_size=cfg["tokens_per_step"] // cfg["seq_len"], seq_len=cfg["seq_len"],
                                grad_accum=1, vocab_size=mcfg.vocab_size, seed=cfg["seed"])
+    settled = AUTO_WINDOWS if cfg["mode"] in AUTO_MODES else 0  # steps before the timed ones begin
+    n_steps = cfg["steps"] + settled
     if cfg.get("profile"):
-        steps = profiled_steps(ex, model, opt, sched, settings, steps=cfg["steps"], device=device)
+        steps = profiled_steps(ex, model, opt, sched, settings, steps=n_steps, device=device)
     else:
-        steps = ex.run_steps(model, opt, sched, settings, first_step=0, last_step=cfg["steps"], device=device)
+        steps = ex.run_steps(model, opt, sched, settings, first_step=0, last_step=n_steps, device=device)
     records = []
     for rec in steps:
         records.append(rec)
-        print(f"  [{cfg['mode']} {cfg['config']}] " + ex.format_step(rec, cfg["steps"]), flush=True)
+        print(f"  [{cfg['mode']} {cfg['config']}] " + ex.format_step(rec, n_steps), flush=True)
     if hasattr(opt, "close"):
         opt.close()
+    all_times = [r["step_time_s"] for r in records]
+    records = records[settled:]
     times = [r["step_time_s"] for r in records]
     step_s = _median_after_first(times)
     peaks = [r["peak_gpu_gib"] for r in records if r["peak_gpu_gib"] is not None]
-    out = {"status": OK, "error": None, "step_times_s": times, "step_s": step_s,
+    out = {"status": OK, "error": None, "step_times_s": all_times, "step_s": step_s,
            "tokens_per_s": cfg["tokens_per_step"] / step_s, "losses": [r["loss"] for r in records],
            "peak_gpu_gib": max(peaks) if peaks else None, "peak_host_rss_gib": _peak_rss_gib(),
            "setup_s": setup_s, "n_params": ex.count_parameters(model),
            "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"}
+    last = records[-1]["offload"] or {}
+    out["gpu_state_gib"] = last.get("gpu_state_bytes", 0) / GIB if last else None
     for key in OFFLOAD_KEYS:
         out[key] = _median_after_first([(r["offload"] or {}).get(key) for r in records])
     if cfg.get("profile"):
@@ -352,6 +366,12 @@ def largest(rows: list[dict]) -> dict:
     return out
 
 
+def _note(r: dict) -> str:
+    if r["status"] != OK:
+        return (r.get("error") or "")[:90]
+    return f"gpu_state {r['gpu_state_gib']:.1f} GiB" if r.get("gpu_state_gib") else ""
+
+
 def format_table(rows: list[dict]) -> str:
     head = (f"{'mode':<10} {'config':<7} {'params':>8} {'status':<13} {'step s':>8} {'tokens/s':>10} "
             f"{'floor s':>8} {'kernel s':>8} {'effic.':>6} {'peak GPU GiB':>12} {'peak RSS GiB':>12}  note")
@@ -363,7 +383,7 @@ def format_table(rows: list[dict]) -> str:
         lines.append(f"{r['mode']:<10} {r['config']:<7} {format_params(r['n_params']):>8} {r['status']:<13} "
                      f"{num('step_s', '.3f'):>8} {num('tokens_per_s', ',.0f'):>10} {num('floor_s', '.3f'):>8} "
                      f"{num('kernel_s', '.3f'):>8} {num('efficiency', '.2f'):>6} {num('peak_gpu_gib', '.2f'):>12} "
-                     f"{num('peak_host_rss_gib', '.2f'):>12}  {'' if ok else (r.get('error') or '')[:90]}")
+                     f"{num('peak_host_rss_gib', '.2f'):>12}  {_note(r)}")
         if ok and r.get("profile"):
             prof = r["profile"]
             waits = ", ".join(f"{k} {r[k]:.3f}" for k in OFFLOAD_KEYS if r.get(k) is not None)

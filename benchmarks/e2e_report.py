@@ -11,7 +11,8 @@ import math
 import statistics
 from typing import Optional
 
-MODES = ("none", "optimizer", "full", "full+clip", "full+clip_all", "full_bf16", "torchao", "fsdp_cpu")
+MODES = ("none", "optimizer", "full", "full+clip", "full+clip_all", "full_bf16", "full_auto", "full_bf16_auto",
+         "torchao", "fsdp_cpu")
 LABELS = {
     "none": "none",
     "optimizer": "optimizer",
@@ -19,6 +20,8 @@ LABELS = {
     "full+clip": "full + clip_grad_norm_ (never clips)",
     "full+clip_all": "full + clip_grad_norm_ (clips every step)",
     "full_bf16": "full, bf16 moments",
+    "full_auto": "full, gpu_state=auto",
+    "full_bf16_auto": "full, bf16 moments, gpu_state=auto",
     "torchao": "torchao CPUOffloadOptimizer",
     "fsdp_cpu": "FSDP2 CPUOffloadPolicy",
 }

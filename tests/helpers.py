@@ -501,13 +501,13 @@ class FullOffloadMaker:
 
 # ------------------------------------------------ the GPU tests' model (tests/gpu)
 
-VOCAB, TOKENS = 4096, 128
+LM_VOCAB, LM_TOKENS = 4096, 128
 
 
 class LM(nn.Module):
     """Embedding, MLP blocks with residuals, untied head: parameters dominate memory."""
 
-    def __init__(self, d=256, blocks=2, vocab=VOCAB):
+    def __init__(self, d=256, blocks=2, vocab=LM_VOCAB):
         super().__init__()
         self.emb = nn.Embedding(vocab, d)
         self.blocks = nn.ModuleList(nn.Sequential(nn.Linear(d, 4 * d), nn.GELU(), nn.Linear(4 * d, d))
@@ -523,7 +523,7 @@ class LM(nn.Module):
 
 def tokens(step, micro=0, device="cuda"):
     g = torch.Generator().manual_seed(7919 * step + micro)
-    return torch.randint(0, VOCAB, (1, TOKENS), generator=g).to(device)
+    return torch.randint(0, LM_VOCAB, (1, LM_TOKENS), generator=g).to(device)
 
 
 def loss_fn(model, t):

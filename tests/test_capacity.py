@@ -167,3 +167,16 @@ def test_profiled_floor_and_full_rows_report_efficiency(capacity, tmp_path, caps
     assert report["meta"]["profile"] is True
     table = capsys.readouterr().out
     assert "profile: forward" in table and "effic." in table
+
+
+def test_auto_rows_time_the_steps_after_the_split_settled(capacity, tmp_path):
+    out = tmp_path / "capacity.json"
+    argv = ["--modes", "full_bf16_auto", "--configs", "tiny-a", "--device", "cpu", "--tokens", "128",
+            "--seq-len", "64", "--steps", "2", "--json", str(out)]
+    assert capacity.main(argv) == 0
+    (row,) = json.loads(out.read_text())["rows"]
+    assert row["status"] == "ok" and len(row["step_times_s"]) == 2 + capacity.AUTO_WINDOWS
+    assert row["step_s"] == row["step_times_s"][-1]  # the median after the first of the 2 timed steps
+    assert row["gpu_state_gib"] == 0  # CPU parameters: no device memory reading, nothing moves
+    from cpu_offload._full.device_state import AUTO_WINDOWS
+    assert capacity.AUTO_WINDOWS == AUTO_WINDOWS

@@ -279,6 +279,13 @@ def test_tiny_preset_and_explicit_flags(capsys):
         with pytest.raises(SystemExit):
             train_fsdp.parse_args(["--preset", "tiny", "--state-dtype", "bfloat16"] + bad)
         assert "--state-dtype bfloat16 needs --offload full" in capsys.readouterr().err
+    assert train_fsdp.parse_args(["--preset", "tiny", "--gpu-state", "auto"]).gpu_state == "auto"
+    assert train_fsdp.parse_args(["--preset", "tiny", "--gpu-state", "4096"]).gpu_state == 4096
+    for bad, message in ((["--gpu-state", "lots"], "--gpu-state must be a number"),
+                         (["--gpu-state", "auto", "--offload", "none"], "--gpu-state needs --offload full")):
+        with pytest.raises(SystemExit):
+            train_fsdp.parse_args(["--preset", "tiny"] + bad)
+        assert message in capsys.readouterr().err
 
 
 # --------------------------------------------------------------- quickstart

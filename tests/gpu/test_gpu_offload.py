@@ -18,7 +18,7 @@ import torch
 import torch.nn as nn
 
 import cpu_offload
-from helpers import LM, TOKENS, capture_local_grads, free_port, loss_fn, make_opt, records_of, shard_blocks, tokens
+from helpers import LM, LM_TOKENS, capture_local_grads, free_port, loss_fn, make_opt, records_of, shard_blocks, tokens
 from cpu_offload import offload_optimizer
 from cpu_offload.reference import adamw_reference_
 
@@ -136,7 +136,7 @@ def _peak(offload, **options):
     torch.cuda.synchronize()
     torch.cuda.reset_peak_memory_stats()
     for s in range(3):
-        t = torch.randint(0, 32768, (1, TOKENS), generator=torch.Generator().manual_seed(s)).cuda()
+        t = torch.randint(0, 32768, (1, LM_TOKENS), generator=torch.Generator().manual_seed(s)).cuda()
         loss_fn(model, t).backward()
         opt.step()
         opt.zero_grad()
