@@ -189,7 +189,7 @@ class FullCPUOffloadOptimizer(WindowControls, torch.optim.Optimizer):
         needed = host_needed(records[len(on_device):])
         num_slots, slot_bytes = staging_rings(records[len(on_device):], keep, compute_dtype, pinned_bytes=pinned_bytes,
                                               num_slots=num_slots, room=available_host_ram() - needed)
-        shortage = needed + 2 * num_slots * slot_bytes - available_host_ram()
+        shortage = needed + 2 * num_slots * slot_bytes + device_state.host_margin() - available_host_ram()
         reading = device_state.free_memory(device) if gpu_state == "auto" and shortage > 0 else None
         if reading is not None:
             # NOTE: the all-host run would not start: put the fewest first parameters on the

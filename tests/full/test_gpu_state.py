@@ -169,6 +169,7 @@ def test_auto_puts_the_fewest_first_parameters_on_the_device_when_the_host_canno
     short = 19_000  # l1.weight alone frees 1536 x 12 = 18432 bytes: l1.bias (768 more) is needed too
     for module in (host_state, optimizer_module):
         monkeypatch.setattr(module, "available_host_ram", lambda: needed + pinned - short)
+    monkeypatch.setattr(device_state, "host_margin", lambda: 0)
     monkeypatch.setattr(device_state, "free_memory", lambda device: (8 * GIB, 8 * GIB))
     model, opt = build("adamw")
     off = FullCPUOffloadOptimizer(opt, gpu_state="auto", **SMALL)
