@@ -31,8 +31,8 @@ __all__ = ["DeviceState", "AutoSplit", "choose_device_records", "device_bytes_pe
            "free_memory", "auto_margin", "host_margin", "records_to_free_host"]
 
 # Elements stepped per pass: bounds the temporaries (about 20 B per element: the fp32
-# gradient, an fp32 product, the float64 square root) whatever the parameter's size.
-_PIECE = 1 << 24
+# gradient, an fp32 product, the float64 square root; 1.3 GiB) whatever the parameter's size.
+_PIECE = 1 << 26
 
 
 def device_bytes_per_element(*, moments: bool, state_dtype: torch.dtype, accumulate: bool) -> int:
@@ -76,7 +76,7 @@ def auto_margin(total: int) -> int:
     """Device memory ``"auto"`` leaves free above the observed peak: 10% of the device, at
     least 4 GiB. NOTE: it covers the caching allocator's fragmentation, windows that peak
     higher than the observed ones (a longer sequence in the batch), and the device step's
-    temporaries (about 20 B x 2**24 elements, 0.3 GiB)."""
+    temporaries (about 20 B x 2**26 elements, 1.3 GiB)."""
     return max(4 << 30, total // 10)
 
 
@@ -129,9 +129,11 @@ class AutoSplit:
 
 
 def _f32(value: float, like: torch.Tensor) -> torch.Tensor:
-    """A 0-d float32 operand on ``like``'s device: multiplying by it rounds like the
-    reference's full tensor of that value (a Python scalar might not: see reference.py)."""
-    return torch.tensor(value, dtype=torch.float32, device=like.device)
+    """A 0-d float32 CPU tensor: torch passes it to a device kernel as a float32 scalar (no
+    copy, no synchronisation), and a product or sum with it rounds like the reference's full
+    tensor of that value. NOTE: only ever a factor or a term here, never a divisor: a
+    division by a CPU scalar may become a multiplication by its reciprocal."""
+    return torch.tensor(value, dtype=torch.float32)
 
 
 def adamw_piece_(p, grad, m, v, step: int, *, lr, beta1, beta2, eps, weight_decay, grad_scale, out=None) -> None:

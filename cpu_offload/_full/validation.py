@@ -188,8 +188,9 @@ class StepValidator:
         # a Ctrl-C in between would leave some rolled back and others not.
         with deferred_interrupts():
             self._rollback(stepped)
-            # every parameter staged for this step: stepped, held back or zero-filled
-            recs = [r for r in self.records if r.pieces_total > 0]
+            # every host parameter staged for this step: stepped, held back or zero-filled
+            # (device ones are stepped once, when the window closes: device_state.py)
+            recs = [r for r in self.records if r.pieces_total > 0 and not r.on_device]
             self.pipeline.restep(recs, hparams, grads_on_host=self.from_host)
             note_versions(recs)
 
