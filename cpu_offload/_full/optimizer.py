@@ -185,21 +185,26 @@ class FullCPUOffloadOptimizer(WindowControls, torch.optim.Optimizer):
                                      grad_itemsize=lambda r: 4 if copy_itemsize and id(r.param) in keep
                                      else copy_itemsize)
 
+        def rings(recs, room):
+            return staging_rings(recs, keep, compute_dtype, pinned_bytes=pinned_bytes, num_slots=num_slots, room=room)
+
         on_device = choose_device_records(records, gpu_state, per_element) if isinstance(gpu_state, int) else []
         needed = host_needed(records[len(on_device):])
-        num_slots, slot_bytes = staging_rings(records[len(on_device):], keep, compute_dtype, pinned_bytes=pinned_bytes,
-                                              num_slots=num_slots, room=available_host_ram() - needed)
-        shortage = needed + 2 * num_slots * slot_bytes + device_state.host_margin() - available_host_ram()
+        slots, slot_bytes = rings(records[len(on_device):], available_host_ram() - needed)
+        shortage = needed + 2 * slots * slot_bytes + device_state.host_margin() - available_host_ram()
         reading = device_state.free_memory(device) if gpu_state == "auto" and shortage > 0 else None
         if reading is not None:
             # NOTE: the all-host run would not start: put the fewest first parameters on the
-            # device that make the host state fit, if the device has room for them now.
+            # device that make the host state fit, if the device has room for them now; then
+            # size the rings for what stays on the host.
             free, total = reading
             on_device = records_to_free_host(records, shortage, lambda r: host_needed([r]),
                                              lambda r: r.numel * per_element, free - auto_margin(total))
             needed = host_needed(records[len(on_device):])
+            slots, slot_bytes = rings(records[len(on_device):],
+                                      available_host_ram() - needed - device_state.host_margin())
         host_records = records[len(on_device):]
-        check_host_ram(needed, 2 * num_slots * slot_bytes)
+        check_host_ram(needed, 2 * slots * slot_bytes)
 
         self.binding = bind_for(device, sysfs_root)  # before any host state is touched
         self._host = allocate_host_state(host_records, moments=moments, accumulate=accumulate,
@@ -211,8 +216,8 @@ class FullCPUOffloadOptimizer(WindowControls, torch.optim.Optimizer):
         transfer = make_transfer(device)
         # NOTE: the pinned rings are allocated before anything touches the model,
         # so a failed allocation leaves the parameters as they were.
-        d2h = HostRing("d2h", num_slots=num_slots, slot_bytes=slot_bytes, pin=transfer.pin)
-        h2d = HostRing("h2d", num_slots=num_slots, slot_bytes=slot_bytes, pin=transfer.pin)
+        d2h = HostRing("d2h", num_slots=slots, slot_bytes=slot_bytes, pin=transfer.pin)
+        h2d = HostRing("h2d", num_slots=slots, slot_bytes=slot_bytes, pin=transfer.pin)
         originals: dict = {}
         try:
             originals = cast_to_compute(records, compute_dtype=compute_dtype, keep_fp32=keep)

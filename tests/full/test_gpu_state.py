@@ -186,3 +186,29 @@ def test_auto_puts_the_fewest_first_parameters_on_the_device_when_the_host_canno
     model, opt = build("adamw")
     with pytest.raises(MemoryError, match="host RAM"):
         FullCPUOffloadOptimizer(opt, gpu_state="auto", **SMALL)
+
+
+def test_auto_sizes_the_staging_rings_for_the_parameters_left_on_the_host(monkeypatch):
+    # At 20B the rings were sized before the move, with no host RAM left for them (512 MiB),
+    # and stayed so although the move had made room: they are sized again after it.
+    from cpu_offload._full import host_state, optimizer as optimizer_module
+
+    model, opt = build("adamw")
+    full = FullCPUOffloadOptimizer(opt, **SMALL)
+    needed = host_bytes_of(full)
+    full.close()
+    for module in (host_state, optimizer_module):
+        monkeypatch.setattr(module, "available_host_ram", lambda: needed)  # no room for any ring
+    monkeypatch.setattr(device_state, "host_margin", lambda: 100)
+    monkeypatch.setattr(device_state, "free_memory", lambda device: (8 * GIB, 8 * GIB))
+    calls = []
+    real = optimizer_module.staging_rings
+    monkeypatch.setattr(optimizer_module, "staging_rings",
+                        lambda recs, *a, room, **kw: calls.append((list(recs), room)) or real(recs, *a, room=room, **kw))
+    model, opt = build("adamw")
+    off = FullCPUOffloadOptimizer(opt, gpu_state="auto", **SMALL)
+    host = [r for r in records_of(off) if not r.on_device]
+    assert len(host) < len(records_of(off)) and len(calls) == 2
+    assert calls[0][1] == 0  # before the move: no room
+    assert calls[1][0] == host and calls[1][1] == needed - host_bytes_of(off) - 100  # after it: what was freed
+    off.close()
