@@ -198,6 +198,9 @@ class FullCPUOffloadOptimizer(WindowControls, torch.optim.Optimizer):
             # device that make the host state fit, if the device has room for them now; then
             # size the rings for what stays on the host.
             free, total = reading
+            wanted = rings(records, 1 << 62)  # free enough for the rings' default size too
+            shortage = max(shortage, needed + 2 * wanted[0] * wanted[1] + device_state.host_margin()
+                           - available_host_ram())
             on_device = records_to_free_host(records, shortage, lambda r: host_needed([r]),
                                              lambda r: r.numel * per_element, free - auto_margin(total))
             needed = host_needed(records[len(on_device):])

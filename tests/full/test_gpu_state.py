@@ -208,7 +208,8 @@ def test_auto_sizes_the_staging_rings_for_the_parameters_left_on_the_host(monkey
     model, opt = build("adamw")
     off = FullCPUOffloadOptimizer(opt, gpu_state="auto", **SMALL)
     host = [r for r in records_of(off) if not r.on_device]
-    assert len(host) < len(records_of(off)) and len(calls) == 2
+    assert len(host) < len(records_of(off)) and len(calls) == 3
     assert calls[0][1] == 0  # before the move: no room
-    assert calls[1][0] == host and calls[1][1] == needed - host_bytes_of(off) - 100  # after it: what was freed
+    assert calls[1][1] == 1 << 62  # their default size, which the move frees room for
+    assert calls[2][0] == host and calls[2][1] == needed - host_bytes_of(off) - 100  # after it: what was freed
     off.close()
