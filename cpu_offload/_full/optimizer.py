@@ -29,7 +29,7 @@ import sys
 import time
 import warnings
 import weakref
-from typing import Iterable, Optional
+from typing import Iterable, Optional, Union
 
 import torch
 
@@ -154,7 +154,7 @@ class FullCPUOffloadOptimizer(WindowControls, torch.optim.Optimizer):
         max_grad_norm: Optional[float] = None,
         skip_nonfinite: bool = True,
         grad_copy: str = "device",
-        gpu_state: Optional[int] = None,
+        gpu_state: Optional[Union[int, str]] = None,
     ) -> None:
         self._proto = ProtocolState()  # CLOSED until fully constructed
         self._algorithm = check_optimizer(optimizer)
@@ -589,7 +589,8 @@ class FullCPUOffloadOptimizer(WindowControls, torch.optim.Optimizer):
         the loop blocked on the optimizer's tail (``step_blocked_s``, the exposed
         cost), seconds backward waited for a free staging slot (``slot_wait_s``) and
         the worker for gradient copies and h2d slots (``grad_wait_s``,
-        ``h2d_slot_wait_s``), pinned and host bytes, chunks, ``grad_norm`` and
+        ``h2d_slot_wait_s``), pinned and host bytes, the bytes of state on the device
+        (``gpu_state_bytes``), chunks, ``grad_norm`` and
         ``clip_coef`` (None when not computed), whether it was ``skipped``;
         ``skipped_steps`` counts since construction."""
         return dict(self._proto.last_stats, skipped_steps=self._validator.skipped_steps)
