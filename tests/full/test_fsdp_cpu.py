@@ -1,7 +1,8 @@
-# Full offload under FSDP2 on the CPU: two gloo processes (started like
+# Full offload under FSDP2 on the CPU: two or four gloo processes (started like
 # torchrun: RANK, WORLD_SIZE, LOCAL_RANK, LOCAL_WORLD_SIZE, MASTER_*) train a
 # sharded model and must end with masters and compute copies bit-identical to
-# one process training the same model unsharded; a checkpoint saved with
+# one process training the same model unsharded, also with part of each rank's
+# state on its "device" (gpu_state, here the CPU); a checkpoint saved with
 # torch.distributed.checkpoint and loaded into a fresh model resumes
 # bit-identically. With clipping, the norm is the global one on every rank, and
 # a NaN gradient on one rank only skips the step on both. A trainer's loop with a
@@ -15,7 +16,7 @@ import pytest
 import torch
 import torch.nn as nn
 
-from helpers import free_port
+from helpers import free_port, records_of
 
 STEPS, RESUME_AT, ACCUM = 4, 2, 2
 
@@ -119,7 +120,9 @@ def worker(out_dir):
     rank = dist.get_rank()
     mesh = init_device_mesh("cpu", (dist.get_world_size(),))
     model = _shard(make_model(), mesh)
-    opt = offload_optimizer(make_opt(model), offload="full", grad_accum_steps=ACCUM, pinned_bytes=1 << 15, num_slots=2)
+    gpu_state = int(os.environ["TEST_GPU_STATE"]) if os.environ.get("TEST_GPU_STATE") else None
+    opt = offload_optimizer(make_opt(model), offload="full", grad_accum_steps=ACCUM, pinned_bytes=1 << 15, num_slots=2,
+                            gpu_state=gpu_state)
     train(model, opt, range(RESUME_AT))
     ckpt = os.path.join(out_dir, "ckpt")
     dcp.save({"optim": opt.state_dict()}, checkpoint_id=ckpt)
@@ -132,11 +135,13 @@ def worker(out_dir):
         "masters": {i: e["master"].full_tensor() for i, e in sd["state"].items()},
         "compute": {n: p.full_tensor() for n, p in model.named_parameters()},
         "local_masters": {i: e["master"].to_local().clone() for i, e in sd["state"].items()},
+        "on_device": [r.on_device for r in records_of(opt)],
     }
 
     # Resume: a fresh sharded model and optimizer, loaded from the checkpoint.
     model2 = _shard(make_model(), mesh)
-    opt2 = offload_optimizer(make_opt(model2), offload="full", grad_accum_steps=ACCUM, pinned_bytes=1 << 15, num_slots=2)
+    opt2 = offload_optimizer(make_opt(model2), offload="full", grad_accum_steps=ACCUM, pinned_bytes=1 << 15, num_slots=2,
+                             gpu_state=gpu_state)
     sd2 = opt2.state_dict()
     dcp.load({"optim": sd2}, checkpoint_id=ckpt)
     opt2.load_state_dict(sd2)
@@ -196,7 +201,7 @@ def window_worker(out_dir):
     dist.destroy_process_group()
 
 
-def _run_workers(mode, tmp_path):
+def _run_workers(mode, tmp_path, world=2, gpu_state=None):
     if not torch.distributed.is_gloo_available():
         pytest.skip("torch built without gloo")
     import cpu_offload
@@ -206,9 +211,11 @@ def _run_workers(mode, tmp_path):
     tests = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # and tests/helpers.py
     path = os.pathsep.join([root, tests] + [p for p in [os.environ.get("PYTHONPATH")] if p])
     procs = []
-    for rank in range(2):
-        env = dict(os.environ, MASTER_ADDR="127.0.0.1", MASTER_PORT=port, RANK=str(rank), WORLD_SIZE="2",
-                   LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE="2", OMP_NUM_THREADS="1", PYTHONPATH=path)
+    local = min(world, 2)  # NOTE: 4 ranks as 2 "hosts" of 2: one CPU each on a 2-core machine
+    for rank in range(world):
+        env = dict(os.environ, MASTER_ADDR="127.0.0.1", MASTER_PORT=port, RANK=str(rank), WORLD_SIZE=str(world),
+                   LOCAL_RANK=str(rank % local), LOCAL_WORLD_SIZE=str(local), OMP_NUM_THREADS="1", PYTHONPATH=path,
+                   TEST_GPU_STATE="" if gpu_state is None else str(gpu_state))
         procs.append(subprocess.Popen([sys.executable, __file__, mode, str(tmp_path)], env=env,
                                       stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True))
     outputs = []
@@ -223,9 +230,13 @@ def _run_workers(mode, tmp_path):
         assert p.returncode == 0, out[-4000:]
 
 
-def test_fsdp2_two_processes_equal_one_process(tmp_path):
-    _run_workers("--worker", tmp_path)
+# gpu_state=2400 bytes: on each of 4 ranks the first weight's shard (at most 9 x 16 elements,
+# 16 B each with accumulation) and no more
+@pytest.mark.parametrize("world, gpu_state", [(2, None), (4, 2400)])
+def test_fsdp2_processes_equal_one_process(tmp_path, world, gpu_state):
+    _run_workers("--worker", tmp_path, world, gpu_state)
     result = torch.load(tmp_path / "result.pt")
+    assert result["on_device"] == ([True, False, False, False, False, False] if gpu_state else [False] * 6)
     assert result["dtensor_state"]  # DTensors over host shards
     assert result["resumed_equal"]  # DCP save / load resumes bit-identically
     assert "before the first forward" in result["late_wrap_error"]
