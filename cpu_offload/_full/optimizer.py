@@ -191,8 +191,10 @@ class FullCPUOffloadOptimizer(WindowControls, torch.optim.Optimizer):
         on_device = choose_device_records(records, gpu_state, per_element) if isinstance(gpu_state, int) else []
         needed = host_needed(records[len(on_device):])
         slots, slot_bytes = rings(records[len(on_device):], available_host_ram() - needed)
-        shortage = needed + 2 * slots * slot_bytes + device_state.host_margin() - available_host_ram()
-        reading = device_state.free_memory(device) if gpu_state == "auto" and shortage > 0 else None
+        reading = None
+        if gpu_state == "auto":
+            shortage = needed + 2 * slots * slot_bytes + device_state.host_margin() - available_host_ram()
+            reading = device_state.free_memory(device) if shortage > 0 else None
         if reading is not None:
             # NOTE: the all-host run would not start: put the fewest first parameters on the
             # device that make the host state fit, if the device has room for them now; then
