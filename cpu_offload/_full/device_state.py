@@ -109,7 +109,6 @@ class AutoSplit:
         self.device = device
         self.peaks: list = []
         self.settled = False
-        self.budget: Optional[int] = None
 
     def observe(self) -> Optional[int]:
         """After a window closed: the budget when the split settles now, else None."""
@@ -117,15 +116,14 @@ class AutoSplit:
             return None
         reading = memory_reading(self.device)
         if reading is None:
-            self.settled, self.budget = True, 0
+            self.settled = True
             return 0
         total, peak = reading
         self.peaks.append(peak)
         if len(self.peaks) < AUTO_WINDOWS:
             return None
         self.settled = True
-        self.budget = max(0, total - max(self.peaks) - auto_margin(total))
-        return self.budget
+        return max(0, total - max(self.peaks) - auto_margin(total))
 
 
 def _f32(value: float, like: torch.Tensor) -> torch.Tensor:
