@@ -8,7 +8,7 @@
 # gradients arrive last in backward (a model's parameters are registered in forward order),
 # so the CPU pipeline, which steps chunks in arrival order and lags behind the GPU, keeps
 # the whole of backward to itself and ends earlier by what it no longer steps; the GPU steps
-# its share once backward is over, in a fraction of the time.
+# its share once backward is over.
 #
 # NOTE: never stepped speculatively: device parameters are stepped when the window closes
 # (step(), or zero_grad() after the window's last backward), with the window's final factor,
@@ -16,7 +16,8 @@
 # it was. Their gradient stays on the device until then: the gradient itself (2 B per
 # parameter) or, with accumulation, an fp32 accumulator in device memory.
 #
-# Scope: choosing the device parameters, their state, their gradients and norms, their step.
+# Scope: choosing the device parameters (a budget, or gpu_state="auto"'s reading of the
+# device's memory), their state, their gradients and norms, their step.
 # Non-goals: the host pipeline (pipeline.py), deciding skip / clip (validation.py).
 
 from __future__ import annotations
