@@ -75,18 +75,30 @@ def free_port() -> int:
 SMALL = dict(pinned_bytes=4 * 4096, num_slots=2)
 
 
-class Net(nn.Module):
+class PlainNet(nn.Module):
+    """Three linear layers, every parameter trained by every batch."""
+
     def __init__(self):
         super().__init__()
         self.l1 = nn.Linear(24, 64)
         self.l2 = nn.Linear(64, 64)
         self.head = nn.Linear(64, 8)
+
+    def forward(self, x):
+        return self.head(F.gelu(self.l2(F.gelu(self.l1(x)))))
+
+
+class Net(PlainNet):
+    """PlainNet with a parameter used on some batches, one never used and a frozen one."""
+
+    def __init__(self):
+        super().__init__()
         self.extra = nn.Parameter(torch.randn(8) * 0.1)  # used on some micro-batches only
         self.unused = nn.Parameter(torch.randn(5))  # never receives a gradient
         self.frozen = nn.Parameter(torch.randn(8), requires_grad=False)
 
     def forward(self, x, use_extra=False):
-        y = self.head(F.gelu(self.l2(F.gelu(self.l1(x))))) + self.frozen
+        y = super().forward(x) + self.frozen
         if use_extra:
             y = y * self.extra
         return y

@@ -9,32 +9,20 @@ import signal
 import pytest
 import torch
 import torch.nn as nn
-import torch.nn.functional as F
 
 import cpu_offload
 from cpu_offload._full import chunk_runner
 from cpu_offload._full import validation as step_validation
 from cpu_offload._full.optimizer import FullCPUOffloadOptimizer
-from helpers import SMALL, records_of
+from helpers import SMALL, PlainNet, records_of
 
 HP = dict(lr=1e-2, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1)
-
-
-class Net(nn.Module):
-    def __init__(self):
-        super().__init__()
-        self.l1 = nn.Linear(24, 64)
-        self.l2 = nn.Linear(64, 64)
-        self.head = nn.Linear(64, 8)
-
-    def forward(self, x):
-        return self.head(F.gelu(self.l2(F.gelu(self.l1(x)))))
 
 
 def make(seed=0, **opts):
     """A fresh model (seeded), its initial fp32 weights, the wrapper and a gradient log."""
     torch.manual_seed(seed)
-    model = Net()
+    model = PlainNet()
     init = {n: p.detach().clone() for n, p in model.named_parameters()}
     grads: dict = {}
     for n, p in model.named_parameters():  # registered first: runs before the offload hook
@@ -253,7 +241,7 @@ def test_late_tiny_factor_on_huge_gradients_stays_finite_like_torch(grad_copy):
 # ----------------------------- 7: bf16 moments with an eps too small to roll back
 def test_bf16_moments_refuse_an_eps_the_rollback_cannot_honour():
     torch.manual_seed(0)
-    model = Net()
+    model = PlainNet()
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2, eps=1e-20)
     with pytest.raises(ValueError, match=r"param_groups\[0\]\['eps'\]"):
         cpu_offload.offload_optimizer(opt, offload="full", state_dtype=torch.bfloat16, **SMALL)
@@ -297,7 +285,7 @@ def test_zero_filled_parameters_are_redone_with_accumulation():
     """zero_grad(set_to_none=False): a parameter without a gradient in a later window is
     stepped with zeros, as torch steps it; a late clip redoes it with the others."""
 
-    class WithExtra(Net):
+    class WithExtra(PlainNet):
         def __init__(self):
             super().__init__()
             self.extra = nn.Parameter(torch.randn(8) * 0.1)
