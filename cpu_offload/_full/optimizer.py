@@ -263,7 +263,7 @@ class FullCPUOffloadOptimizer(WindowControls, torch.optim.Optimizer):
         self._pinned_bytes = d2h.nbytes + h2d.nbytes
         self._pid = os.getpid()
         note_versions(records)
-        self._build_state_mapping()
+        self._state = StateMapping(records, guard=lambda what: None if (w := ref()) is None else w._check_idle(what))
         self._finalizer = weakref.finalize(self, _shutdown, records, self._pipeline, transfer)
         if any(dtype.itemsize > compute_dtype.itemsize for dtype in originals.values()):
             watch_first_forward(self, compute_dtype)  # explains the dtype error of fp32 inputs
@@ -416,11 +416,6 @@ class FullCPUOffloadOptimizer(WindowControls, torch.optim.Optimizer):
             raise
         self._proto.blocked_s += time.perf_counter() - t0
 
-    def _build_state_mapping(self) -> None:
-        ref = weakref.ref(self)
-        self._state = StateMapping(self._records,
-                                   guard=lambda what: None if (w := ref()) is None else w._check_idle(what))
-
     def _settle_split(self) -> None:
         """gpu_state="auto": once the first windows' peak is known, move the state of the first
         host parameters that fit in what they leave free to the device (between windows)."""
@@ -436,7 +431,6 @@ class FullCPUOffloadOptimizer(WindowControls, torch.optim.Optimizer):
         except torch.OutOfMemoryError:  # NOTE: each record moves whole: those moved stay, the rest stay on the host
             warnings.warn("cpu_offload: gpu_state='auto' stopped moving state to the device: out of memory",
                           RuntimeWarning, stacklevel=_user_stacklevel())
-        self._build_state_mapping()
 
     def _step_device_state(self) -> None:
         """The window closes with its final factor: step the device records (none after a

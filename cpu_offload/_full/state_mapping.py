@@ -153,7 +153,7 @@ class StateEntry:
     def __init__(self, rec: ParamRecord, guard: Callable[[str], None]):
         self._rec, self._guard = rec, guard
         self._keys = ("step",) + host_keys(rec)
-        self._views: dict = {}  # the host buffers never move: their views are made once
+        self._views: dict = {}  # key -> (flat state tensor, its view): made again only if the state moved
 
     def __getitem__(self, key):
         rec = self._rec
@@ -161,10 +161,11 @@ class StateEntry:
             return torch.tensor(float(rec.step), dtype=torch.float32)
         if key not in self._keys:
             raise KeyError(key)
-        view = self._views.get(key)
-        if view is None:
-            view = self._views[key] = as_dtensor_like(getattr(rec, key).view(rec.shape), rec.param)
-        return view
+        flat = getattr(rec, key)
+        cached = self._views.get(key)
+        if cached is None or cached[0] is not flat:  # NOTE: gpu_state="auto" may move the state once
+            cached = self._views[key] = (flat, as_dtensor_like(flat.view(rec.shape), rec.param))
+        return cached[1]
 
     def __setitem__(self, key, value) -> None:
         rec = self._rec

@@ -13,7 +13,7 @@ from cpu_offload._full import device_state
 from cpu_offload._full.device_state import device_bytes_per_element
 from cpu_offload._full.optimizer import FullCPUOffloadOptimizer
 from cpu_offload.reference import adamw_reference_
-from helpers import SMALL, batches, build, capture, host_bytes_of, named, records_of
+from helpers import SMALL, batches, build, capture, host_bytes_of, named, records_of, train_step
 
 EVERYTHING = 1 << 40
 FIRST_TWO = 1600 * 12  # l1.weight and l1.bias (1600 elements) with fp32 AdamW state, no accumulator
@@ -148,6 +148,13 @@ def test_auto_settles_after_three_windows_within_its_budget_and_trains_bit_for_b
     monkeypatch.setattr(device_state, "memory_reading", lambda device: peaks.append(1) or (4 * GIB + 40_000, 1000))
     model, off, _ = train("adamw", 1, 2, gpu_state="auto")
     assert not any(r.on_device for r in records_of(off)) and len(peaks) == 2  # not settled yet
+    entry = off.state[model.l1.weight]  # held across the move: it reads the moved state
+    old_master = entry["master"]
+    train_step(model, off, 2, 1)
+    off.step()
+    off.zero_grad()
+    rec = named(model, off)["l1.weight"]
+    assert rec.on_device and entry["master"].data_ptr() == rec.master.data_ptr() != old_master.data_ptr()
     host_model, host, _ = train("adamw", 1, 7, gpu_state=None)
     auto_model, auto, _ = train("adamw", 1, 7, gpu_state="auto")
     moved = [r for r in records_of(auto) if r.on_device]
