@@ -190,10 +190,12 @@ class FullCPUOffloadOptimizer(WindowControls, torch.optim.Optimizer):
 
         on_device = choose_device_records(records, gpu_state, per_element) if isinstance(gpu_state, int) else []
         needed = host_needed(records[len(on_device):])
-        slots, slot_bytes = rings(records[len(on_device):], available_host_ram() - needed)
+        available = available_host_ram()  # NOTE: one reading for every sizing decision below
+        slots, slot_bytes = rings(records[len(on_device):], available - needed)
         reading = None
         if gpu_state == "auto":
-            shortage = needed + 2 * slots * slot_bytes + device_state.host_margin() - available_host_ram()
+            margin = device_state.host_margin()
+            shortage = needed + 2 * slots * slot_bytes + margin - available
             reading = device_state.free_memory(device) if shortage > 0 else None
         if reading is not None:
             # NOTE: the all-host run would not start: put the fewest first parameters on the
@@ -201,13 +203,12 @@ class FullCPUOffloadOptimizer(WindowControls, torch.optim.Optimizer):
             # size the rings for what stays on the host.
             free, total = reading
             wanted = rings(records, 1 << 62)  # free enough for the rings' default size too
-            shortage = max(shortage, needed + 2 * wanted[0] * wanted[1] + device_state.host_margin()
-                           - available_host_ram())
+            shortage = max(shortage, needed + 2 * wanted[0] * wanted[1] + margin - available)
             on_device = records_to_free_host(records, shortage, lambda r: host_needed([r]),
                                              lambda r: r.numel * per_element, free - auto_margin(total))
             needed = host_needed(records[len(on_device):])
             slots, slot_bytes = rings(records[len(on_device):],
-                                      available_host_ram() - needed - device_state.host_margin())
+                                      available - needed - margin)
         host_records = records[len(on_device):]
         check_host_ram(needed, 2 * slots * slot_bytes)
 
