@@ -2,7 +2,8 @@
 # master and moments stay in device memory and are stepped there, by the operations of
 # cpu_offload/reference.py (each one float32 operation, correctly rounded, in the native
 # kernel's order, no fused multiply-add; the square root in float64, rounded once), so a
-# parameter's values are bit-identical whichever device stepped it.
+# parameter's values are bit-identical whichever device stepped it. On CUDA, AdamW runs
+# them as one fused pass (device_kernel.py); elsewhere, and for SignSGD, as torch passes.
 #
 # Which parameters: the first ones in the optimizer's order, up to the byte budget. Their
 # gradients arrive last in backward (a model's parameters are registered in forward order),
@@ -27,6 +28,8 @@ from typing import Optional
 
 import psutil
 import torch
+
+from .device_kernel import fused_adamw_, fused_adamw_available
 
 __all__ = ["DeviceState", "AutoSplit", "choose_device_records", "device_bytes_per_element", "memory_reading",
            "free_memory", "auto_margin", "host_margin", "records_to_free_host"]
@@ -275,22 +278,31 @@ class DeviceState:
                 event = self._events.get(id(rec))
                 if event is not None:
                     torch.cuda.current_stream(rec.master.device).wait_event(event)
-                grad = rec.accum if self.accumulate else rec.retained
-                hp = hparams[rec.group]
-                local = rec.local().detach().view(-1)
-                for start in range(0, max(rec.numel, 1), _PIECE):
-                    piece = slice(start, start + _PIECE)
-                    out = local[piece]
-                    if self.algorithm == "adamw":
-                        adamw_piece_(rec.master[piece], grad[piece], rec.exp_avg[piece], rec.exp_avg_sq[piece],
-                                     rec.step + 1, lr=hp["lr"], beta1=hp["beta1"], beta2=hp["beta2"], eps=hp["eps"],
-                                     weight_decay=hp["weight_decay"], grad_scale=grad_scale, out=out)
-                    else:
-                        sign_sgd_piece_(rec.master[piece], grad[piece], lr=hp["lr"],
-                                        weight_decay=hp["weight_decay"], out=out)
+                self._step_record(rec, rec.accum if self.accumulate else rec.retained, hparams[rec.group],
+                                  grad_scale)
                 rec.piece_stepped()
                 stepped.append(rec)
         return stepped
+
+    def _step_record(self, rec, grad: torch.Tensor, hp: dict, grad_scale: float) -> None:
+        """One record's step: the fused kernel on CUDA (device_kernel.py), else the same
+        operations as torch passes over pieces of _PIECE elements."""
+        local = rec.local().detach().view(-1)
+        moments = (rec.exp_avg, rec.exp_avg_sq)
+        if self.algorithm == "adamw" and fused_adamw_available(rec.master, grad, *moments, local):
+            fused_adamw_(rec.master, grad, *moments, rec.step + 1, lr=hp["lr"], beta1=hp["beta1"],
+                         beta2=hp["beta2"], eps=hp["eps"], weight_decay=hp["weight_decay"], grad_scale=grad_scale,
+                         out=local)
+            return
+        for start in range(0, max(rec.numel, 1), _PIECE):
+            piece = slice(start, start + _PIECE)
+            if self.algorithm == "adamw":
+                adamw_piece_(rec.master[piece], grad[piece], rec.exp_avg[piece], rec.exp_avg_sq[piece],
+                             rec.step + 1, lr=hp["lr"], beta1=hp["beta1"], beta2=hp["beta2"], eps=hp["eps"],
+                             weight_decay=hp["weight_decay"], grad_scale=grad_scale, out=local[piece])
+            else:
+                sign_sgd_piece_(rec.master[piece], grad[piece], lr=hp["lr"], weight_decay=hp["weight_decay"],
+                                out=local[piece])
 
     def reset_window(self) -> None:
         self._events.clear()

@@ -1,0 +1,63 @@
+# The fused device AdamW kernel (cpu_offload/_full/device_kernel.py), on CUDA (marked gpu,
+# skipped without CUDA): on fresh random data over a wide exponent range, at sizes around
+# its block, with fp32 and bf16 moments and gradients, it equals the readable reference on
+# the CPU bit for bit (master, moments, compute copy); the device step uses it.
+# Run: pytest -m gpu tests/gpu/test_device_kernel.py
+import pytest
+import torch
+
+from cpu_offload._full import device_kernel, device_state
+from cpu_offload.reference import adamw_reference_
+from helpers import LM, loss_fn, make_opt, tokens
+from cpu_offload import offload_optimizer
+
+pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
+
+
+def spread(n, gen, low, high):
+    """Normal values times powers of two drawn from [low, high): many binades at once."""
+    return torch.randn(n, generator=gen) * torch.exp2(torch.randint(low, high, (n,), generator=gen).float())
+
+
+@pytest.mark.parametrize("n", [1, 7, 2047, 2048, 2049, (1 << 20) + 3])
+@pytest.mark.parametrize("state_dtype, grad_dtype", [(torch.float32, torch.float32), (torch.bfloat16, torch.bfloat16),
+                                                     (torch.float32, torch.bfloat16), (torch.bfloat16, torch.float32)])
+def test_fused_adamw_equals_the_cpu_reference_bit_for_bit(n, state_dtype, grad_dtype):
+    gen = torch.Generator().manual_seed(n * 31 + state_dtype.itemsize * 7 + grad_dtype.itemsize)
+    for trial in range(3):
+        hp = dict(lr=float(10 ** torch.empty(1).uniform_(-5, -2, generator=gen)),
+                  beta1=float(torch.empty(1).uniform_(0.8, 0.95, generator=gen)),
+                  beta2=float(torch.empty(1).uniform_(0.95, 0.9999, generator=gen)),
+                  eps=float(10 ** torch.empty(1).uniform_(-10, -6, generator=gen)),
+                  weight_decay=[0.0, 0.1, 0.01][trial], grad_scale=[1.0, 0.37, 1e-3][trial])
+        step = [1, 2, 41][trial]
+        p = spread(n, gen, -8, 4)
+        g = spread(n, gen, -30, 6).to(grad_dtype)
+        m = spread(n, gen, -30, 0).to(state_dtype)
+        v = (spread(n, gen, -60, -4) ** 2).to(state_dtype)
+        g[: n // 5] = 0.0                  # zero gradients and a zero second moment
+        v[: n // 7] = 0.0
+        dev = [t.cuda() for t in (p, g, m, v)]
+        out = torch.empty(n, dtype=torch.bfloat16, device="cuda")
+        assert device_kernel.fused_adamw_available(*dev, out)
+        device_kernel.fused_adamw_(*dev[:2], *dev[2:], step, out=out, **hp)
+        adamw_reference_(p, g, m, v, step, **hp)
+        for name, want, got in (("master", p, dev[0]), ("exp_avg", m, dev[2]), ("exp_avg_sq", v, dev[3]),
+                                ("compute copy", p.to(torch.bfloat16), out)):
+            got = got.cpu()
+            differ = (want.view(torch.int32 if want.dtype == torch.float32 else torch.int16)
+                      != got.view(torch.int32 if got.dtype == torch.float32 else torch.int16))
+            assert not differ.any(), f"{name}: {int(differ.sum())} of {n} differ (trial {trial}, {hp})"
+
+
+def test_the_device_step_runs_the_fused_kernel(monkeypatch):
+    calls = []
+    real = device_state.fused_adamw_
+    monkeypatch.setattr(device_state, "fused_adamw_", lambda *a, **k: (calls.append(a[0].numel()), real(*a, **k)))
+    torch.manual_seed(0)
+    model = LM().cuda()
+    opt = offload_optimizer(make_opt(model), offload="full", gpu_state=1 << 40, pinned_bytes=1 << 21)
+    loss_fn(model, tokens(0, 0)).backward()
+    opt.step()
+    assert sorted(calls) == sorted(p.numel() for p in model.parameters())
+    opt.close()
