@@ -5,11 +5,14 @@
 # parameter's values are bit-identical whichever device stepped it. On CUDA, AdamW runs
 # them as one fused pass (device_kernel.py); elsewhere, and for SignSGD, as torch passes.
 #
-# Which parameters: the first ones in the optimizer's order, up to the byte budget. Their
-# gradients arrive last in backward (a model's parameters are registered in forward order),
-# so the CPU pipeline, which steps chunks in arrival order and lags behind the GPU, keeps
-# the whole of backward to itself and ends earlier by what it no longer steps; the GPU steps
-# its share once backward is over.
+# Which parameters: a share spread evenly over the optimizer's order (over the model's
+# depth), up to the byte budget. The host pipeline, which steps chunks in the order their
+# gradients arrive, then receives its gradients at an even rate through the whole of
+# backward, and backward does not wait for it: with the first parameters on the device
+# instead, the host's gradients arrive in one burst in the first part of backward, faster
+# than the CPU steps them, the staging rings fill and backward waits for free slots (0.55 s
+# a step at 14B, benchmarks/results/capacity_fused_device_step_h200_2026-12-01.json). The
+# device steps its share once backward is over, in one fused pass.
 #
 # NOTE: never stepped speculatively: device parameters are stepped when the window closes
 # (step(), or zero_grad() after the window's last backward), with the window's final factor,
@@ -45,16 +48,37 @@ def device_bytes_per_element(*, moments: bool, state_dtype: torch.dtype, accumul
 
 
 def choose_device_records(records: list, budget: int, per_element: int) -> list:
-    """The records whose state goes on the device: the first in the optimizer's order
-    whose bytes fit, in order, in ``budget`` (the first that does not fit ends the list)."""
-    chosen, used = [], 0
+    """The records whose state goes on the device: spread evenly over ``records``' order,
+    their bytes at most ``budget``. Walking in order, a record is taken when the bytes taken
+    stay within the budget's share of the bytes walked so far (all of them when the budget
+    holds them all)."""
+    if budget <= 0:
+        return []
+    total = sum(rec.numel for rec in records) * per_element
+    chosen, used, seen = [], 0, 0
     for rec in records:
         cost = rec.numel * per_element
-        if used + cost > budget:
-            break
-        chosen.append(rec)
-        used += cost
+        seen += cost
+        if (used + cost) * total <= budget * seen:  # NOTE: integers: exact, and never above the budget
+            chosen.append(rec)
+            used += cost
     return chosen
+
+
+def records_to_free_host(records: list, shortage: int, host_bytes, device_bytes, room: int) -> list:
+    """Records spread evenly over ``records``' order whose host bytes add up to at least
+    ``shortage``, when their device bytes fit in ``room``; [] when they do not (the host RAM
+    check then fails as before). A record is taken while the bytes freed are behind the
+    shortage's share of the host bytes walked so far: at the end they cover it."""
+    total = sum(host_bytes(rec) for rec in records)
+    chosen, freed, seen, cost = [], 0, 0, 0
+    for rec in records:
+        seen += host_bytes(rec)
+        if freed * total < shortage * seen:
+            chosen.append(rec)
+            freed += host_bytes(rec)
+            cost += device_bytes(rec)
+    return chosen if freed >= shortage and cost <= room else []
 
 
 # gpu_state="auto": the windows whose peak memory is observed before the split settles.
@@ -90,19 +114,6 @@ def host_margin() -> int:
     the pinned rings (the CUDA context, Python, the framework): 2.3 GiB in the capacity
     benchmark's 14B run."""
     return max(4 << 30, psutil.virtual_memory().total // 20)
-
-
-def records_to_free_host(records: list, shortage: int, host_bytes, device_bytes, room: int) -> list:
-    """The fewest first records whose host bytes add up to ``shortage``, when their device
-    bytes fit in ``room``; [] when they do not (the host RAM check then fails as before)."""
-    chosen, saved, cost = [], 0, 0
-    for rec in records:
-        if saved >= shortage:
-            break
-        chosen.append(rec)
-        saved += host_bytes(rec)
-        cost += device_bytes(rec)
-    return chosen if saved >= shortage and cost <= room else []
 
 
 class AutoSplit:

@@ -129,13 +129,13 @@ class FullCPUOffloadOptimizer(WindowControls, torch.optim.Optimizer):
             parameter of device memory at the end of backward) or ``"host"``
             (a copy in host RAM, 2 B per parameter, made by the CPU during the
             step: no device memory, but more host memory traffic).
-        gpu_state: bytes of device memory for the state of the first parameters in the
-            optimizer's order (fp32 master and moments, and the fp32 accumulator with
+        gpu_state: bytes of device memory for the state of parameters spread evenly over
+            the optimizer's order (fp32 master and moments, and the fp32 accumulator with
             grad_accum_steps > 1), which then stay on the device and are stepped there when
             the window closes, bit-identically to the host kernel (device_state.py); the
             rest stays on the host. ``"auto"``: after the first 3 windows, what their peak
             leaves free on the device less a margin (10%, at least 4 GiB); at construction,
-            the fewest first parameters that make the host state fit when it would not.
+            parameters spread over the model that make the host state fit when it would not.
             Default None: all on the host.
     """
 
@@ -188,28 +188,31 @@ class FullCPUOffloadOptimizer(WindowControls, torch.optim.Optimizer):
         def rings(recs, room):
             return staging_rings(recs, keep, compute_dtype, pinned_bytes=pinned_bytes, num_slots=num_slots, room=room)
 
+        def on_host(on_device):
+            moved = {id(r) for r in on_device}
+            return [r for r in records if id(r) not in moved]
+
         on_device = choose_device_records(records, gpu_state, per_element) if isinstance(gpu_state, int) else []
-        needed = host_needed(records[len(on_device):])
+        needed = host_needed(on_host(on_device))
         available = available_host_ram()  # NOTE: one reading for every sizing decision below
-        slots, slot_bytes = rings(records[len(on_device):], available - needed)
+        slots, slot_bytes = rings(on_host(on_device), available - needed)
         reading = None
         if gpu_state == "auto":
             margin = device_state.host_margin()
             shortage = needed + 2 * slots * slot_bytes + margin - available
             reading = device_state.free_memory(device) if shortage > 0 else None
         if reading is not None:
-            # NOTE: the all-host run would not start: put the fewest first parameters on the
-            # device that make the host state fit, if the device has room for them now; then
-            # size the rings for what stays on the host.
+            # NOTE: the all-host run would not start: put parameters spread over the model on
+            # the device that make the host state fit, if the device has room for them now;
+            # then size the rings for what stays on the host.
             free, total = reading
             wanted = rings(records, 1 << 62)  # free enough for the rings' default size too
             shortage = max(shortage, needed + 2 * wanted[0] * wanted[1] + margin - available)
             on_device = records_to_free_host(records, shortage, lambda r: host_needed([r]),
                                              lambda r: r.numel * per_element, free - auto_margin(total))
-            needed = host_needed(records[len(on_device):])
-            slots, slot_bytes = rings(records[len(on_device):],
-                                      available - needed - margin)
-        host_records = records[len(on_device):]
+            needed = host_needed(on_host(on_device))
+            slots, slot_bytes = rings(on_host(on_device), available - needed - margin)
+        host_records = on_host(on_device)
         check_host_ram(needed, 2 * slots * slot_bytes)
 
         self.binding = bind_for(device, sysfs_root)  # before any host state is touched
@@ -418,8 +421,9 @@ class FullCPUOffloadOptimizer(WindowControls, torch.optim.Optimizer):
         self._proto.blocked_s += time.perf_counter() - t0
 
     def _settle_split(self) -> None:
-        """gpu_state="auto": once the first windows' peak is known, move the state of the first
-        host parameters that fit in what they leave free to the device (between windows)."""
+        """gpu_state="auto": once the first windows' peak is known, move the state of host
+        parameters spread over the model that fit in what they leave free to the device
+        (between windows)."""
         if self._auto is None or self._auto.settled:
             return
         budget = self._auto.observe()
