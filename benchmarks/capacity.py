@@ -91,11 +91,12 @@ CONFIGS = {
     "8b": dict(_LLAMA, d_model=4096, n_layers=32, n_heads=32, ffn_dim=14336),
     "14b": dict(_LLAMA, d_model=5120, n_layers=44, n_heads=40, ffn_dim=13824),
     "20b": dict(_LLAMA, d_model=6144, n_layers=44, n_heads=48, ffn_dim=16384),
+    "22b": dict(_LLAMA, d_model=6144, n_layers=48, n_heads=48, ffn_dim=16384),
     "tiny-a": dict(vocab_size=256, d_model=64, n_layers=2, n_heads=4, ffn_dim=128),
     "tiny-b": dict(vocab_size=256, d_model=64, n_layers=3, n_heads=4, ffn_dim=128),
     "tiny-c": dict(vocab_size=256, d_model=64, n_layers=4, n_heads=4, ffn_dim=128),
 }
-CONFIG_SETS = {"llama": ("1b", "3b", "8b", "14b", "20b"), "tiny": ("tiny-a", "tiny-b", "tiny-c")}
+CONFIG_SETS = {"llama": ("1b", "3b", "8b", "14b", "20b", "22b"), "tiny": ("tiny-a", "tiny-b", "tiny-c")}
 
 OK, NO_FIT, TIMED_OUT, ERROR, NOT_TRIED = "ok", "does not fit", "timed out", "error", "not tried"
 

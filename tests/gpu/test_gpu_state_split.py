@@ -1,7 +1,8 @@
 # Part of full offload's state on the GPU (gpu_state=), on CUDA (marked gpu, skipped
-# without CUDA): with half of the state on the GPU, over 20 steps, with a skipped NaN step, accumulation, bf16 moments and
-# FSDP2 (one rank), GPU-stepped parameters equal the all-host run bit for bit; under steady
-# clipping they equal the CPU reference stepped with each window's final coefficient.
+# without CUDA): with half of the state on the GPU, over 20 steps, with a skipped NaN step,
+# accumulation, bf16 moments and FSDP2 (one rank), GPU-stepped parameters equal the all-host
+# run bit for bit; under steady clipping they equal the CPU reference stepped with each
+# window's final coefficient.
 # Run: pytest -m gpu tests/gpu/test_gpu_state_split.py
 import math
 
