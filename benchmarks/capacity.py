@@ -26,8 +26,8 @@
 #   full        offload_optimizer(offload="full"): bf16 weights on the GPU; fp32 masters and
 #               moments in host RAM (12 B per parameter)
 #   full_bf16   the same with state_dtype=torch.bfloat16 (8 B per parameter of host RAM)
-#   full_auto, full_bf16_auto   the same with gpu_state="auto": at construction the fewest
-#               first parameters whose state on the GPU makes the rest fit in host RAM;
+#   full_auto, full_bf16_auto   the same with gpu_state="auto": at construction parameters
+#               spread over the model whose state on the GPU makes the rest fit in host RAM;
 #               after 3 windows, as much state as the GPU has room for. These modes run 3
 #               more steps and time those after the split settled
 #
@@ -40,6 +40,7 @@
 #   8b        4096        32       32    14336   8.05 B
 #   14b       5120        44       40    13824  14.28 B
 #   20b       6144        44       48    16384  20.33 B
+#   22b       6144        48       48    16384  22.14 B
 #   tiny-a..c   64      2..4        4      128   CPU plumbing checks (vocab 256)
 #
 # NOTE: no full fp32 copy of a model ever exists in host or GPU memory: the model is built

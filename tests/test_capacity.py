@@ -96,7 +96,7 @@ def test_a_worker_that_runs_out_of_time_is_killed_and_reported(capacity):
 def test_configuration_table_and_arguments(capacity):
     names = capacity.CONFIG_SETS["llama"]
     sizes = [capacity.n_params(capacity.CONFIGS[n]) / 1e9 for n in names]
-    assert sizes == sorted(sizes) and 0.9 < sizes[0] < 1.1 and 19 < sizes[-1] < 22
+    assert sizes == sorted(sizes) and 0.9 < sizes[0] < 1.1 and 22 < sizes[-1] < 23
     header = (ROOT / "benchmarks" / "capacity.py").read_text().split("\n\n", 1)[0]
     for name, size in zip(names, sizes):  # the header's table states the same counts
         assert f"{size:.2f} B" in header, name

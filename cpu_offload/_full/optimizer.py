@@ -205,11 +205,20 @@ class FullCPUOffloadOptimizer(WindowControls, torch.optim.Optimizer):
             # NOTE: the all-host run would not start: put parameters spread over the model on
             # the device that make the host state fit, if the device has room for them now;
             # then size the rings for what stays on the host.
+            # NOTE: the device's room is what it has free less the margin and less every
+            # gradient the window keeps on it at the end of backward: a device parameter's own
+            # (its step reads it when the window closes) and, with grad_copy="device", each
+            # host parameter's too (at 22B they would not fit with the state that the host
+            # RAM could not hold: a clear MemoryError now, not an out-of-memory in backward).
             free, total = reading
             wanted = rings(records, 1 << 62)  # free enough for the rings' default size too
             shortage = max(shortage, needed + 2 * wanted[0] * wanted[1] + margin - available)
+            grad_itemsize = 0 if accumulate else compute_dtype.itemsize
+            kept_on_device = sum(r.numel for r in records) * grad_itemsize if grad_copy == "device" else 0
+            own_grad = 0 if grad_copy == "device" else grad_itemsize
             on_device = records_to_free_host(records, shortage, lambda r: host_needed([r]),
-                                             lambda r: r.numel * per_element, free - auto_margin(total))
+                                             lambda r: r.numel * (per_element + own_grad),
+                                             free - auto_margin(total) - kept_on_device)
             needed = host_needed(on_host(on_device))
             slots, slot_bytes = rings(on_host(on_device), available - needed - margin)
         host_records = on_host(on_device)
