@@ -203,14 +203,16 @@ def available_host_ram() -> int:
     return psutil.virtual_memory().available
 
 
-def check_host_ram(needed: int, pinned: int) -> None:
+def check_host_ram(needed: int, pinned: int, why: str = "") -> None:
+    """Raise a MemoryError naming the bytes when ``needed + pinned`` exceed the available
+    host RAM; ``why`` ends the message."""
     available = available_host_ram()
     if needed + pinned > available:
         gib = 1024**3
         raise MemoryError(
             f"full offload needs {needed + pinned} bytes of host RAM ({(needed + pinned) / gib:.2f} GiB: "
             f"{needed} for masters/moments/accumulators, {pinned} pinned staging) but only "
-            f"{available} bytes ({available / gib:.2f} GiB) are available"
+            f"{available} bytes ({available / gib:.2f} GiB) are available{why}"
         )
 
 

@@ -196,7 +196,7 @@ class FullCPUOffloadOptimizer(WindowControls, torch.optim.Optimizer):
         needed = host_needed(on_host(on_device))
         available = available_host_ram()  # NOTE: one reading for every sizing decision below
         slots, slot_bytes = rings(on_host(on_device), available - needed)
-        reading = None
+        reading, why = None, ""
         if gpu_state == "auto":
             margin = device_state.host_margin()
             shortage = needed + 2 * slots * slot_bytes + margin - available
@@ -216,13 +216,17 @@ class FullCPUOffloadOptimizer(WindowControls, torch.optim.Optimizer):
             grad_itemsize = 0 if accumulate else compute_dtype.itemsize
             kept_on_device = sum(r.numel for r in records) * grad_itemsize if grad_copy == "device" else 0
             own_grad = 0 if grad_copy == "device" else grad_itemsize
+            room = free - auto_margin(total) - kept_on_device
             on_device = records_to_free_host(records, shortage, lambda r: host_needed([r]),
-                                             lambda r: r.numel * (per_element + own_grad),
-                                             free - auto_margin(total) - kept_on_device)
+                                             lambda r: r.numel * (per_element + own_grad), room)
+            if not on_device:
+                why = (f"; gpu_state='auto' found no room on the device for the rest: {max(room, 0)} bytes "
+                       f"(free {free}, less a margin of {auto_margin(total)} and {kept_on_device} for the "
+                       f"gradients kept there)")
             needed = host_needed(on_host(on_device))
             slots, slot_bytes = rings(on_host(on_device), available - needed - margin)
         host_records = on_host(on_device)
-        check_host_ram(needed, 2 * slots * slot_bytes)
+        check_host_ram(needed, 2 * slots * slot_bytes, why)
 
         self.binding = bind_for(device, sysfs_root)  # before any host state is touched
         self._host = allocate_host_state(host_records, moments=moments, accumulate=accumulate,

@@ -238,7 +238,7 @@ def test_auto_puts_parameters_on_the_device_when_the_host_cannot_hold_the_state(
         if fits:
             FullCPUOffloadOptimizer(opt, gpu_state="auto", **SMALL).close()
         else:
-            with pytest.raises(MemoryError, match="host RAM"):
+            with pytest.raises(MemoryError, match="host RAM.*no room on the device for the rest"):
                 FullCPUOffloadOptimizer(opt, gpu_state="auto", **SMALL)
 
 
