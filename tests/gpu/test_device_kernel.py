@@ -6,10 +6,10 @@
 import pytest
 import torch
 
+from cpu_offload import offload_optimizer
 from cpu_offload._full import device_kernel, device_state
 from cpu_offload.reference import adamw_reference_
 from helpers import LM, loss_fn, make_opt, tokens
-from cpu_offload import offload_optimizer
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
 
