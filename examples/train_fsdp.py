@@ -364,8 +364,8 @@ def parse_args(argv=None) -> argparse.Namespace:
                    help="dtype of AdamW's moments in host RAM (--offload full only); bfloat16 rounds them "
                         "after each step")
     p.add_argument("--gpu-state", default=None, metavar="BYTES|auto",
-                   help="--offload full: device memory for the state of the first parameters (stepped on the "
-                        "GPU), or auto")
+                   help="--offload full: device memory for the state of parameters spread over the model "
+                        "(stepped on the GPU), or auto")
     p.add_argument("--steps", type=int, default=20, help="total optimizer steps")
     p.add_argument("--batch-size", type=int, default=4, help="sequences per rank per micro-batch")
     p.add_argument("--seq-len", type=int, default=2048, help="tokens per sequence")
