@@ -32,7 +32,7 @@ from typing import Optional
 import psutil
 import torch
 
-from .device_kernel import fused_adamw_, fused_adamw_available
+from cpu_offload._full.device_kernel import fused_adamw_, fused_adamw_available
 
 __all__ = ["DeviceState", "AutoSplit", "choose_device_records", "device_bytes_per_element", "memory_reading",
            "free_memory", "auto_margin", "host_margin", "records_to_free_host"]

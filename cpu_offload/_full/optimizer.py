@@ -193,9 +193,10 @@ class FullCPUOffloadOptimizer(WindowControls, torch.optim.Optimizer):
             return [r for r in records if id(r) not in moved]
 
         on_device = choose_device_records(records, gpu_state, per_element) if isinstance(gpu_state, int) else []
-        needed = host_needed(on_host(on_device))
+        host_records = on_host(on_device)
+        needed = host_needed(host_records)
         available = available_host_ram()  # NOTE: one reading for every sizing decision below
-        slots, slot_bytes = rings(on_host(on_device), available - needed)
+        slots, slot_bytes = rings(host_records, available - needed)
         reading, why = None, ""
         if gpu_state == "auto":
             margin = device_state.host_margin()
@@ -204,12 +205,12 @@ class FullCPUOffloadOptimizer(WindowControls, torch.optim.Optimizer):
         if reading is not None:
             # NOTE: the all-host run would not start: put parameters spread over the model on
             # the device that make the host state fit, if the device has room for them now;
-            # then size the rings for what stays on the host.
-            # NOTE: the device's room is what it has free less the margin and less every
-            # gradient the window keeps on it at the end of backward: a device parameter's own
-            # (its step reads it when the window closes) and, with grad_copy="device", each
-            # host parameter's too (at 22B they would not fit with the state that the host
-            # RAM could not hold: a clear MemoryError now, not an out-of-memory in backward).
+            # then size the rings for what stays on the host. The device's room is what it
+            # has free less the margin and less every gradient the window keeps on it at the
+            # end of backward: a device parameter's own (its step reads it when the window
+            # closes) and, with grad_copy="device", each host parameter's too (at 22B they
+            # would not fit with the state that the host RAM could not hold: a clear
+            # MemoryError now, not an out-of-memory in backward).
             free, total = reading
             wanted = rings(records, 1 << 62)  # free enough for the rings' default size too
             shortage = max(shortage, needed + 2 * wanted[0] * wanted[1] + margin - available)
@@ -223,9 +224,9 @@ class FullCPUOffloadOptimizer(WindowControls, torch.optim.Optimizer):
                 why = (f"; gpu_state='auto' found no room on the device for the rest: {max(room, 0)} bytes "
                        f"(free {free}, less a margin of {auto_margin(total)} and {kept_on_device} for the "
                        f"gradients kept there)")
-            needed = host_needed(on_host(on_device))
-            slots, slot_bytes = rings(on_host(on_device), available - needed - margin)
-        host_records = on_host(on_device)
+            host_records = on_host(on_device)
+            needed = host_needed(host_records)
+            slots, slot_bytes = rings(host_records, available - needed - margin)
         check_host_ram(needed, 2 * slots * slot_bytes, why)
 
         self.binding = bind_for(device, sysfs_root)  # before any host state is touched
