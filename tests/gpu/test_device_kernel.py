@@ -14,6 +14,11 @@ from helpers import LM, loss_fn, make_opt, tokens
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
 
 
+def bits(t):
+    """The bit patterns of a float32 or bf16 tensor (NaN payloads and signed zeros included)."""
+    return t.view(torch.int32 if t.dtype == torch.float32 else torch.int16)
+
+
 def spread(n, gen, low, high):
     """Normal values times powers of two drawn from [low, high): many binades at once."""
     return torch.randn(n, generator=gen) * torch.exp2(torch.randint(low, high, (n,), generator=gen).float())
@@ -44,9 +49,7 @@ def test_fused_adamw_equals_the_cpu_reference_bit_for_bit(n, state_dtype, grad_d
         adamw_reference_(p, g, m, v, step, **hp)
         for name, want, got in (("master", p, dev[0]), ("exp_avg", m, dev[2]), ("exp_avg_sq", v, dev[3]),
                                 ("compute copy", p.to(torch.bfloat16), out)):
-            got = got.cpu()
-            differ = (want.view(torch.int32 if want.dtype == torch.float32 else torch.int16)
-                      != got.view(torch.int32 if got.dtype == torch.float32 else torch.int16))
+            differ = bits(want) != bits(got.cpu())
             assert not differ.any(), f"{name}: {int(differ.sum())} of {n} differ (trial {trial}, {hp})"
 
 
