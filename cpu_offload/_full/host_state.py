@@ -203,10 +203,9 @@ def available_host_ram() -> int:
     return psutil.virtual_memory().available
 
 
-def check_host_ram(needed: int, pinned: int, why: str = "") -> None:
-    """Raise a MemoryError naming the bytes when ``needed + pinned`` exceed the available
-    host RAM; ``why`` ends the message."""
-    available = available_host_ram()
+def check_host_ram(needed: int, pinned: int, available: int, why: str = "") -> None:
+    """Raise a MemoryError naming the bytes when ``needed + pinned`` exceed ``available``
+    (the caller's reading of available_host_ram()); ``why`` ends the message."""
     if needed + pinned > available:
         gib = 1024**3
         raise MemoryError(

@@ -227,7 +227,7 @@ class FullCPUOffloadOptimizer(WindowControls, torch.optim.Optimizer):
             host_records = on_host(on_device)
             needed = host_needed(host_records)
             slots, slot_bytes = rings(host_records, available - needed - margin)
-        check_host_ram(needed, 2 * slots * slot_bytes, why)
+        check_host_ram(needed, 2 * slots * slot_bytes, available, why)
 
         self.binding = bind_for(device, sysfs_root)  # before any host state is touched
         self._host = allocate_host_state(host_records, moments=moments, accumulate=accumulate,
