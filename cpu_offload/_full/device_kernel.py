@@ -11,7 +11,8 @@
 # rounded on the host, as the reference's float32 tensors hold them. The GPU test
 # (tests/gpu/test_device_kernel.py) checks the kernel bit for bit against the reference.
 #
-# Scope: the kernel and whether it can run. Non-goals: which parameters are on the device,
+# Scope: the kernel and whether it can run (device_state.check_fused_step verifies it on
+# each GPU before its first use). Non-goals: which parameters are on the device,
 # when they are stepped (device_state.py); SignSGD (few passes: it stays torch operations).
 
 from __future__ import annotations

@@ -26,8 +26,10 @@
 
 from __future__ import annotations
 
+import functools
 import math
-from typing import Optional
+import warnings
+from typing import Callable, Optional
 
 import psutil
 import torch
@@ -35,7 +37,7 @@ import torch
 from cpu_offload._full.device_kernel import fused_adamw_, fused_adamw_available
 
 __all__ = ["DeviceState", "AutoSplit", "choose_device_records", "device_bytes_per_element", "memory_reading",
-           "free_memory", "auto_margin", "host_margin", "records_to_free_host"]
+           "free_memory", "auto_margin", "host_margin", "records_to_free_host", "check_fused_step"]
 
 # Elements stepped per pass: bounds the temporaries (about 20 B per element: the fp32
 # gradient, an fp32 product, the float64 square root; 1.3 GiB) whatever the parameter's size.
@@ -169,6 +171,49 @@ def adamw_piece_(p, grad, m, v, step: int, *, lr, beta1, beta2, eps, weight_deca
         out.copy_(p)
 
 
+def check_fused_step(device: torch.device, fused: Optional[Callable] = None) -> Optional[str]:
+    """Why the fused step (``fused``: device_kernel.fused_adamw_) cannot stand in for
+    adamw_piece_ on ``device``, or None when it can: it must run, and give the same bits as
+    those torch passes, on random data across two of its blocks and a tail, with fp32 and
+    with bf16 moments.
+
+    NOTE: checked once per device at the first device step, so a Triton that imports but
+    cannot compile for this GPU, or a compiler that rounds differently, costs speed
+    (the torch passes, with a warning) instead of a failed step or a parameter whose values
+    depend on the device that stepped it."""
+    fused = fused_adamw_ if fused is None else fused
+    gen = torch.Generator().manual_seed(0)
+    n = 2 * 2048 + 7
+    hp = dict(lr=1e-3, beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=0.1, grad_scale=0.5)
+    for dtype in (torch.float32, torch.bfloat16):
+        base = [torch.randn(n, generator=gen) * torch.exp2(torch.randint(-20, 4, (n,), generator=gen).float())
+                for _ in range(4)]
+        base[2], base[3] = base[2].to(dtype), base[3].square().to(dtype)  # the moments (v >= 0)
+        base[1] = base[1].to(dtype)  # the gradient, in the compute dtype
+        want = [t.to(device) for t in base] + [torch.empty(n, dtype=torch.bfloat16, device=device)]
+        got = [t.clone() for t in want]
+        adamw_piece_(*want[:4], 3, out=want[4], **hp)
+        try:
+            fused(*got[:4], 3, out=got[4], **hp)
+        except Exception as e:  # NOTE: compilation and launch errors alike
+            return f"{type(e).__name__}: {e}"
+        for name, i in (("master", 0), ("exp_avg", 2), ("exp_avg_sq", 3), ("compute copy", 4)):
+            bits = torch.int32 if want[i].dtype == torch.float32 else torch.int16
+            if not torch.equal(want[i].view(bits), got[i].view(bits)):
+                return f"its {name} differs from the reference's operations with {dtype} moments"
+    return None
+
+
+@functools.lru_cache(maxsize=None)
+def _fused_step_usable(device: torch.device) -> bool:
+    reason = check_fused_step(device)
+    if reason is not None:
+        warnings.warn(f"cpu_offload: the fused AdamW step cannot be used on {device} ({reason}); the parameters "
+                      "stepped on the device run as torch operations instead (the same values, several times slower)",
+                      RuntimeWarning, stacklevel=2)
+    return reason is None
+
+
 def sign_sgd_piece_(p, grad, *, lr, weight_decay, out=None) -> None:
     """sign_sgd_reference_ in place: p <- p*(1 - lr*wd); p <- p - lr*sign(g)."""
     p.mul_(_f32(1.0 - lr * weight_decay, p))
@@ -296,11 +341,13 @@ class DeviceState:
         return stepped
 
     def _step_record(self, rec, grad: torch.Tensor, hp: dict, grad_scale: float) -> None:
-        """One record's step: the fused kernel on CUDA (device_kernel.py), else the same
-        operations as torch passes over pieces of _PIECE elements."""
+        """One record's step: the fused kernel on CUDA (device_kernel.py) once it has passed
+        check_fused_step on this device, else the same operations as torch passes over
+        pieces of _PIECE elements."""
         local = rec.local().detach().view(-1)
         moments = (rec.exp_avg, rec.exp_avg_sq)
-        if self.algorithm == "adamw" and fused_adamw_available(rec.master, grad, *moments, local):
+        if (self.algorithm == "adamw" and fused_adamw_available(rec.master, grad, *moments, local)
+                and _fused_step_usable(rec.master.device)):
             fused_adamw_(rec.master, grad, *moments, rec.step + 1, lr=hp["lr"], beta1=hp["beta1"],
                          beta2=hp["beta2"], eps=hp["eps"], weight_decay=hp["weight_decay"], grad_scale=grad_scale,
                          out=local)

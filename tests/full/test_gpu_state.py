@@ -74,6 +74,49 @@ def test_any_split_trains_bit_for_bit_like_the_all_host_run(kind, k, state_dtype
     assert_same_state(state_of(host_model, host), state_of(split_model, split))
 
 
+def test_the_fused_step_check_accepts_the_reference_operations_and_names_what_fails():
+    cpu = torch.device("cpu")
+    assert device_state.check_fused_step(cpu, fused=device_state.adamw_piece_) is None
+
+    def one_ulp_off(p, *args, **kwargs):
+        device_state.adamw_piece_(p, *args, **kwargs)
+        p[4100] = torch.nextafter(p[4100], torch.tensor(math.inf))  # in the tail, past two blocks
+
+    def no_kernel_image(*args, **kwargs):
+        raise RuntimeError("no kernel image is available for execution on the device")
+    assert device_state.check_fused_step(cpu, fused=one_ulp_off) == (
+        "its master differs from the reference's operations with torch.float32 moments")
+    assert device_state.check_fused_step(cpu, fused=no_kernel_image) == (
+        "RuntimeError: no kernel image is available for execution on the device")
+
+
+@pytest.fixture
+def fresh_fused_check():
+    device_state._fused_step_usable.cache_clear()
+    yield
+    device_state._fused_step_usable.cache_clear()
+
+
+def test_a_fused_step_that_fails_its_check_warns_once_and_the_torch_operations_step(monkeypatch, fresh_fused_check):
+    # The device "fused kernel" here fails to launch; the check catches it at the first device
+    # step, warns once, and every device record is stepped by the torch operations instead:
+    # the run still equals the all-host one bit for bit.
+    launches = []
+
+    def failing(*args, **kwargs):
+        launches.append(1)
+        raise RuntimeError("simulated compilation failure")
+    monkeypatch.setattr(device_state, "fused_adamw_available", lambda *tensors: True)
+    monkeypatch.setattr(device_state, "fused_adamw_", failing)
+    host_model, host, _ = train("adamw", 1, 4, gpu_state=None)
+    with pytest.warns(RuntimeWarning, match=r"fused AdamW step cannot be used on cpu \(RuntimeError: simulated "
+                                            r"compilation failure\); .* run as torch operations") as caught:
+        split_model, split, _ = train("adamw", 1, 4, gpu_state=HALF)
+    assert sum("fused AdamW" in str(w.message) for w in caught) == 1 and launches == [1]  # checked once
+    assert any(r.on_device for r in records_of(split))
+    assert_same_state(state_of(host_model, host), state_of(split_model, split))
+
+
 @pytest.mark.parametrize("how", ["max_grad_norm", "clip_grad_norm_"])
 @pytest.mark.parametrize("k, state_dtype", [(1, torch.float32), (2, torch.bfloat16)])
 def test_clipped_device_records_equal_the_reference_with_each_final_coefficient(k, state_dtype, how, monkeypatch):

@@ -9,7 +9,7 @@ import torch
 from cpu_offload import offload_optimizer
 from cpu_offload._full import device_kernel, device_state
 from cpu_offload.reference import adamw_reference_
-from helpers import LM, loss_fn, make_opt, tokens
+from helpers import LM, loss_fn, make_opt, records_of, tokens
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
 
@@ -53,7 +53,14 @@ def test_fused_adamw_equals_the_cpu_reference_bit_for_bit(n, state_dtype, grad_d
             assert not differ.any(), f"{name}: {int(differ.sum())} of {n} differ (trial {trial}, {hp})"
 
 
-def test_the_device_step_runs_the_fused_kernel(monkeypatch):
+@pytest.fixture
+def fused_check_done():
+    """The fused step's one-time check (device_state.check_fused_step) has run on this GPU and
+    passed, so a test that counts kernel calls sees only the device step's."""
+    assert device_state._fused_step_usable(torch.device("cuda", torch.cuda.current_device()))
+
+
+def test_the_device_step_runs_the_fused_kernel(monkeypatch, fused_check_done):
     calls = []
     real = device_state.fused_adamw_
     monkeypatch.setattr(device_state, "fused_adamw_", lambda *a, **k: (calls.append(a[0].numel()), real(*a, **k)))
@@ -64,3 +71,48 @@ def test_the_device_step_runs_the_fused_kernel(monkeypatch):
     opt.step()
     assert sorted(calls) == sorted(p.numel() for p in model.parameters())
     opt.close()
+
+
+def test_the_fused_step_passes_its_check_on_this_gpu():
+    assert device_state.check_fused_step(torch.device("cuda", torch.cuda.current_device())) is None
+
+
+def train_on_the_device(steps):
+    """A seeded LM with all of its state on the GPU, trained ``steps`` steps; its state."""
+    torch.manual_seed(0)
+    model = LM().cuda()
+    opt = offload_optimizer(make_opt(model), offload="full", gpu_state=1 << 40, pinned_bytes=1 << 21)
+    for step in range(steps):
+        loss_fn(model, tokens(step, 0)).backward()
+        opt.step()
+        opt.zero_grad()
+    recs = records_of(opt)
+    assert all(r.on_device for r in recs)
+    state = [(r.master.cpu(), r.exp_avg.cpu(), r.exp_avg_sq.cpu(), r.step, r.param.detach().cpu()) for r in recs]
+    opt.close()
+    return state
+
+
+def test_a_triton_kernel_that_cannot_compile_leaves_the_torch_operations_with_one_warning(monkeypatch):
+    # Triton imports but its kernel fails to compile on this GPU: the check at the first device
+    # step warns once, and the torch operations step the device records with the same bits
+    # as the fused kernel.
+    fused = train_on_the_device(3)
+
+    class Uncompilable:
+        def __getitem__(self, grid):
+            def launch(*args, **kwargs):
+                raise RuntimeError("simulated Triton compilation error")
+            return launch
+    device_state._fused_step_usable.cache_clear()
+    monkeypatch.setattr(device_kernel, "_kernel", lambda: Uncompilable())
+    try:
+        with pytest.warns(RuntimeWarning, match=r"fused AdamW step cannot be used on cuda:\d \(RuntimeError: "
+                                                r"simulated Triton compilation error\)") as caught:
+            passes = train_on_the_device(3)
+    finally:
+        device_state._fused_step_usable.cache_clear()
+    assert sum("fused AdamW" in str(w.message) for w in caught) == 1
+    for a, b in zip(fused, passes):
+        for x, y in zip(a, b):
+            assert (x == y) if not torch.is_tensor(x) else torch.equal(x, y)
