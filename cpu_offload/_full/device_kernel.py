@@ -23,9 +23,9 @@ from typing import Optional
 
 import torch
 
-__all__ = ["fused_adamw_available", "fused_adamw_"]
+__all__ = ["BLOCK", "fused_adamw_available", "fused_adamw_"]
 
-_BLOCK = 2048
+BLOCK = 2048  # elements per Triton program
 
 
 def _f32(value: float) -> float:
@@ -79,8 +79,8 @@ def fused_adamw_(p: torch.Tensor, grad: torch.Tensor, m: torch.Tensor, v: torch.
         return
     bc1 = 1.0 - beta1 ** step                      # in double, once per tensor, as the reference
     bc2_sqrt = math.sqrt(1.0 - beta2 ** step)
-    grid = (-(-n // _BLOCK),)
+    grid = (-(-n // BLOCK),)
     _kernel()[grid](p, grad, m, v, p if out is None else out, n, _f32(grad_scale), _f32(1.0 - lr * weight_decay),
                     _f32(beta1), _f32(1.0 - beta1), _f32(beta2), _f32(1.0 - beta2), _f32(eps * bc2_sqrt),
-                    _f32(-(lr * bc2_sqrt / bc1)), BLOCK=_BLOCK, num_warps=8, enable_fp_fusion=False)
+                    _f32(-(lr * bc2_sqrt / bc1)), BLOCK=BLOCK, num_warps=8, enable_fp_fusion=False)
 

@@ -34,7 +34,7 @@ from typing import Callable, Optional
 import psutil
 import torch
 
-from cpu_offload._full.device_kernel import fused_adamw_, fused_adamw_available
+from cpu_offload._full.device_kernel import BLOCK, fused_adamw_, fused_adamw_available
 
 __all__ = ["DeviceState", "AutoSplit", "choose_device_records", "device_bytes_per_element", "memory_reading",
            "free_memory", "auto_margin", "host_margin", "records_to_free_host", "check_fused_step"]
@@ -183,7 +183,7 @@ def check_fused_step(device: torch.device, fused: Optional[Callable] = None) -> 
     depend on the device that stepped it."""
     fused = fused_adamw_ if fused is None else fused
     gen = torch.Generator().manual_seed(0)
-    n = 2 * 2048 + 7
+    n = 2 * BLOCK + 7
     hp = dict(lr=1e-3, beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=0.1, grad_scale=0.5)
     for dtype in (torch.float32, torch.bfloat16):
         base = [torch.randn(n, generator=gen) * torch.exp2(torch.randint(-20, 4, (n,), generator=gen).float())
