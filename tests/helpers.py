@@ -202,6 +202,14 @@ def expected(kind, init, history, *, exact, moment_dtype=torch.float32):
 # phase, staging rings): a rename inside the library changes these lines only.
 
 
+def assert_same_state(a: dict, b: dict) -> None:
+    """Two ``{name: (values...)}`` states are equal bit for bit (tensors) or by value."""
+    assert a.keys() == b.keys()
+    for n in a:
+        for x, y in zip(a[n], b[n]):
+            assert (x == y) if not torch.is_tensor(x) else torch.equal(x, y), n
+
+
 def records_of(off) -> list:
     """A FullCPUOffloadOptimizer's host records (host_state.ParamRecord), in state_dict order."""
     return off._records

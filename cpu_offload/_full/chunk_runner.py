@@ -176,23 +176,26 @@ class ChunkRunner:
                 self.stepped.extend(SteppedPiece(p.rec, p.start, p.numel, p.rec.step + 1, chunk.hparams[p.rec.group])
                                     for p in chunk.pieces)
             t2 = time.perf_counter()
+            if out_slot is not None:
+                # NOTE: issued before the chunk's d2h slot is released: the release wakes a
+                # gradient hook waiting for a slot, and the main thread would then hold the
+                # GIL these calls need.
+                self.phase = "issuing h2d copies"
+                copies = [(c.rec.local().detach().view(-1)[c.start : c.start + c.numel], c.out) for c in plan.copies]
+                out_slot.marker = self.transfer.h2d_copies(copies)
+                # NOTE: counted after the copies are issued: from here on the master,
+                # the moments and (once the copy lands) the compute copy are the new ones.
+                for p in chunk.pieces:
+                    p.rec.piece_stepped()
             with self._lock:
                 self.stats["grad_wait_s"] += grad_wait
                 self.stats["h2d_slot_wait_s"] += h2d_wait
                 self.stats["accumulate_s"] += t1 - t0
                 self.stats["kernel_s"] += t2 - t1
                 self.stats["chunks"] += 1
-                self._release(chunk)
-            if out_slot is not None:
-                self.phase = "issuing h2d copies"
-                copies = [(c.rec.local().detach().view(-1)[c.start : c.start + c.numel], c.out) for c in plan.copies]
-                out_slot.marker = self.transfer.h2d_copies(copies)
-                with self._lock:
+                if out_slot is not None:
                     self.stats["h2d_bytes"] += plan.h2d_bytes
-                # NOTE: counted after the copies are issued: from here on the master,
-                # the moments and (once the copy lands) the compute copy are the new ones.
-                for p in chunk.pieces:
-                    p.rec.piece_stepped()
+                self._release(chunk)
         finally:
             if out_slot is not None:
                 out_slot.owner = None

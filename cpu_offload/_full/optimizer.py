@@ -114,7 +114,7 @@ class FullCPUOffloadOptimizer(WindowControls, torch.optim.Optimizer):
         pinned_bytes: total size of the two staging rings (default None: 1/8 of the
             gradient bytes, between 512 MiB and 4 GiB; 512 MiB when the host RAM has no
             room for more).
-        num_slots: slots per ring (default None: slots of about 64 MiB, at least 4).
+        num_slots: slots per ring (default None: slots of about 256 MiB, at least 4).
         timeout_s: limit for every wait of the pipeline (default 600 s).
         sysfs_root: where sysfs is mounted (for the topology binding).
         max_grad_norm: clip every step to this total 2-norm, as

@@ -86,7 +86,7 @@ def check_clipping_options(*, max_grad_norm, skip_nonfinite, grad_copy) -> Optio
 _MIB = 1 << 20
 # The staging rings by default: 1/8 of the gradient bytes in all (1/16 per direction), between
 # PINNED_MIN and PINNED_MAX, in slots of about SLOT_BYTES.
-PINNED_MIN, PINNED_MAX, SLOT_BYTES = 512 * _MIB, 4096 * _MIB, 64 * _MIB
+PINNED_MIN, PINNED_MAX, SLOT_BYTES = 512 * _MIB, 4096 * _MIB, 256 * _MIB
 
 
 def staging_rings(records, keep: set, compute_dtype, *, pinned_bytes: Optional[int], num_slots: Optional[int],
@@ -99,8 +99,11 @@ def staging_rings(records, keep: set, compute_dtype, *, pinned_bytes: Optional[i
     smaller than that burst blocks backward until the CPU kernel frees a slot, and the GPU
     then idles (at 14B, 1.9 s of a 3.7 s step with 512 MiB). 1/16 of the gradient bytes per
     direction holds two to three such bursts of the capacity benchmark's models.
-    ``num_slots=None``: slots of about 64 MiB, at least 4 per ring. Small models get small
-    slots: none is larger than all gradients together need.
+    ``num_slots=None``: slots of about 256 MiB, at least 4 per ring (so the 512 MiB floor has
+    slots of 64 MiB). Small models get small slots: none is larger than all gradients together
+    need. NOTE: each chunk costs the worker about 1 ms of Python between two kernel calls
+    (issuing its copies, taking the next); 256 MiB slots instead of 64 MiB halved that time at
+    8B (docs/full-offload-profile.md, "between two kernel calls").
     """
     grad_bytes = sum(r.numel * (4 if id(r.param) in keep or compute_dtype == torch.float32 else 2) for r in records)
     if pinned_bytes is None:

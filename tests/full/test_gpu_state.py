@@ -14,7 +14,7 @@ from cpu_offload._full import device_state
 from cpu_offload._full.device_state import device_bytes_per_element
 from cpu_offload._full.optimizer import FullCPUOffloadOptimizer
 from cpu_offload.reference import adamw_reference_
-from helpers import SMALL, batches, build, capture, host_bytes_of, named, records_of, train_step
+from helpers import SMALL, assert_same_state, batches, build, capture, host_bytes_of, named, records_of, train_step
 
 EVERYTHING = 1 << 40
 HALF = 3100 * 12  # about half of Net's 6293 trained elements, with fp32 AdamW state, no accumulator
@@ -47,13 +47,6 @@ def state_of(model, off):
     return {n: (r.master.cpu().clone(), None if r.exp_avg is None else r.exp_avg.cpu().clone(),
                 None if r.exp_avg_sq is None else r.exp_avg_sq.cpu().clone(), r.step, r.param.detach().clone())
             for n, r in named(model, off).items()}
-
-
-def assert_same_state(a, b):
-    assert a.keys() == b.keys()
-    for n in a:
-        for x, y in zip(a[n], b[n]):
-            assert (x == y) if not torch.is_tensor(x) else torch.equal(x, y), n
 
 
 @pytest.mark.filterwarnings("ignore:cpu_offload. optimizer step skipped")

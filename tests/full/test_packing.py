@@ -77,19 +77,19 @@ def _rings(numels, **kw):
     return staging_rings([_Rec(n) for n in numels], set(), torch.bfloat16, **kw)
 
 
-def test_default_rings_grow_with_the_gradient_bytes_in_64_mib_slots():
+def test_default_rings_grow_with_the_gradient_bytes_in_256_mib_slots():
     mib = 1 << 20
-    # a 14B model in 44 blocks of bf16 gradients: 1/8 of 28.6 GB, in slots of about 64 MiB
+    # a 14B model in 44 blocks of bf16 gradients: 1/8 of 28.6 GB, in slots of about 256 MiB
     slots, slot = _rings([325_000_000] * 44, pinned_bytes=None, num_slots=None, room=1 << 40)
-    assert 2 * slots * slot <= 44 * 325_000_000 * 2 // 8 and slots == 26 and 64 * mib <= slot < 128 * mib
+    assert 2 * slots * slot <= 44 * 325_000_000 * 2 // 8 and slots == 6 and 256 * mib <= slot < 512 * mib
     # a 1B model: the 512 MiB floor, 4 slots of 64 MiB, as before
     assert _rings([10_000_000] * 95, pinned_bytes=None, num_slots=None, room=1 << 40) == (4, 64 * mib)
     # no room in host RAM for the larger rings: the floor
     assert _rings([325_000_000] * 44, pinned_bytes=None, num_slots=None, room=1 << 30) == (4, 64 * mib)
     # a 70B model: capped at 4 GiB
     slots, slot = _rings([1_000_000_000] * 70, pinned_bytes=None, num_slots=None, room=1 << 40)
-    assert 2 * slots * slot == 4096 * mib and slot == 64 * mib
+    assert 2 * slots * slot == 4096 * mib and slot == 256 * mib
     # given sizes are kept; small models get slots no larger than all their gradients
-    assert _rings([325_000_000] * 44, pinned_bytes=1024 * mib, num_slots=None, room=0) == (8, 64 * mib)
+    assert _rings([325_000_000] * 44, pinned_bytes=1024 * mib, num_slots=None, room=0) == (4, 128 * mib)
     assert _rings([325_000_000] * 44, pinned_bytes=1024 * mib, num_slots=2, room=0) == (2, 256 * mib)
     assert _rings([1000], pinned_bytes=None, num_slots=None, room=1 << 40) == (4, 4096)
