@@ -236,7 +236,7 @@ def profiled_steps(ex, model, opt, sched, settings, *, steps: int, device):
 
 
 PROFILE_KEYS = ("forward_s", "backward_s", "tail_s")
-OFFLOAD_KEYS = ("kernel_s", "slot_wait_s", "grad_wait_s", "h2d_slot_wait_s", "step_blocked_s")
+OFFLOAD_KEYS = ("kernel_s", "slot_wait_s", "grad_wait_s", "h2d_slot_wait_s", "step_blocked_s", "worker_overhead_s")
 
 
 def _median_after_first(values: list) -> Optional[float]:

@@ -129,6 +129,7 @@ class ChunkRunner:
         return time.perf_counter() - t0
 
     def run(self, chunk) -> None:
+        start = time.perf_counter()
         grad_wait = h2d_wait = 0.0
         if chunk.slot is not None:
             self.phase = "waiting for gradient copies"
@@ -195,6 +196,9 @@ class ChunkRunner:
                 self.stats["chunks"] += 1
                 if out_slot is not None:
                     self.stats["h2d_bytes"] += plan.h2d_bytes
+                # the worker's own Python on this chunk: plans, copies issued, bookkeeping
+                self.stats["worker_overhead_s"] += (time.perf_counter() - start - grad_wait - h2d_wait
+                                                    - (t2 - t0))
                 self._release(chunk)
         finally:
             if out_slot is not None:

@@ -516,7 +516,7 @@ class FullCPUOffloadOptimizer(WindowControls, torch.optim.Optimizer):
         self._close_window()
         self._proto.move(Phase.IDLE)
         self._proto.blocked_s = 0.0
-        for key in ("d2h_bytes", "h2d_bytes", "chunks", "kernel_s", "accumulate_s"):
+        for key in ("d2h_bytes", "h2d_bytes", "chunks", "kernel_s", "accumulate_s", "worker_overhead_s"):
             stats.setdefault(key, 0)
         self._proto.last_stats = stats
         self._settle_split()
@@ -604,7 +604,8 @@ class FullCPUOffloadOptimizer(WindowControls, torch.optim.Optimizer):
         the loop blocked on the optimizer's tail (``step_blocked_s``, the exposed
         cost), seconds backward waited for a free staging slot (``slot_wait_s``) and
         the worker for gradient copies and h2d slots (``grad_wait_s``,
-        ``h2d_slot_wait_s``), pinned and host bytes, the bytes of state on the device
+        ``h2d_slot_wait_s``), the worker's own time on its chunks besides the kernels and
+        those waits (``worker_overhead_s``), pinned and host bytes, the bytes of state on the device
         (``gpu_state_bytes``), chunks, ``grad_norm`` and
         ``clip_coef`` (None when not computed), whether it was ``skipped``;
         ``skipped_steps`` counts since construction."""

@@ -307,6 +307,36 @@ def test_step_blocked_counts_the_tail_after_backward(monkeypatch):
     assert off.stats()["kernel_s"] >= 0.05 * off.stats()["chunks"]
 
 
+def test_the_worker_issues_a_chunks_weight_copies_before_it_frees_the_chunks_gradient_slot(monkeypatch):
+    # Freeing the slot wakes a gradient hook waiting for one, and the main thread would then
+    # hold the GIL the worker needs to issue the copies: the worker issues them first.
+    # Its time on them counts as worker_overhead_s, not as kernel time.
+    import time
+    model, opt = build("adamw")
+    off = FullCPUOffloadOptimizer(opt, **SMALL)
+    order = []
+    transfer, pipeline = off._transfer, off._pipeline
+    real_copies, real_release = transfer.h2d_copies, pipeline._runner._release
+
+    def slow_copies(copies):
+        time.sleep(0.02)
+        order.append("copies issued")
+        return real_copies(copies)
+
+    def release(chunk):
+        if chunk.slot is not None and chunk.slot.owner == chunk.seq:
+            order.append("slot freed")
+        return real_release(chunk)
+    monkeypatch.setattr(transfer, "h2d_copies", slow_copies)
+    monkeypatch.setattr(pipeline._runner, "_release", release)
+    model(torch.randn(2, 24, dtype=torch.bfloat16)).float().sum().backward()
+    off.step()
+    st = off.stats()
+    assert st["chunks"] > SMALL["num_slots"] + 1
+    assert order == ["copies issued", "slot freed"] * st["chunks"]
+    assert st["worker_overhead_s"] >= 0.02 * st["chunks"] > st["kernel_s"]
+
+
 def test_slot_waits_show_a_backward_held_up_by_the_worker(monkeypatch):
     # With 2 staging slots and a kernel slower than the gradients arrive, backward waits
     # for a free slot at least (chunks - slots) kernels minus the first; a fast kernel
