@@ -196,18 +196,18 @@ def expected(kind, init, history, *, exact, moment_dtype=torch.float32):
     return {n: p.detach() for n, p in params.items()}
 
 
-# ------------------------------------------------ the optimizers' internals
-# NOTE: the tests' only ways into the wrappers' private state, for what the public API does
-# not show (host records and their window marks, rollback calls, host bytes, the protocol
-# phase, staging rings): a rename inside the library changes these lines only.
-
-
 def assert_same_state(a: dict, b: dict) -> None:
     """Two ``{name: (values...)}`` states are equal bit for bit (tensors) or by value."""
     assert a.keys() == b.keys()
     for n in a:
         for x, y in zip(a[n], b[n]):
             assert (x == y) if not torch.is_tensor(x) else torch.equal(x, y), n
+
+
+# ------------------------------------------------ the optimizers' internals
+# NOTE: the tests' only ways into the wrappers' private state, for what the public API does
+# not show (host records and their window marks, rollback calls, host bytes, the protocol
+# phase, staging rings): a rename inside the library changes these lines only.
 
 
 def records_of(off) -> list:
@@ -226,6 +226,11 @@ def phase_of(off):
 def staging_rings_of(off) -> tuple:
     """The (d2h, h2d) pinned rings of a FullCPUOffloadOptimizer."""
     return off._pipeline.d2h, off._pipeline.h2d
+
+
+def worker_parts_of(off) -> tuple:
+    """The (transfer engine, chunk runner) of a FullCPUOffloadOptimizer's worker."""
+    return off._transfer, off._pipeline._runner
 
 
 def window_records_of(off) -> list:

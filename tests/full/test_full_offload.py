@@ -10,7 +10,7 @@ import torch.nn as nn
 
 import cpu_offload._full.chunk_runner as runner_mod
 from cpu_offload._full.optimizer import FullCPUOffloadOptimizer
-from helpers import Net, SMALL, batches, build, expected, named, records_of, run
+from helpers import Net, SMALL, batches, build, expected, named, records_of, run, worker_parts_of
 
 
 @pytest.mark.parametrize("kind", ["adamw", "sign_sgd"])
@@ -315,8 +315,8 @@ def test_the_worker_issues_a_chunks_weight_copies_before_it_frees_the_chunks_gra
     model, opt = build("adamw")
     off = FullCPUOffloadOptimizer(opt, **SMALL)
     order = []
-    transfer, pipeline = off._transfer, off._pipeline
-    real_copies, real_release = transfer.h2d_copies, pipeline._runner._release
+    transfer, runner = worker_parts_of(off)
+    real_copies, real_release = transfer.h2d_copies, runner._release
 
     def slow_copies(copies):
         time.sleep(0.02)
@@ -328,7 +328,7 @@ def test_the_worker_issues_a_chunks_weight_copies_before_it_frees_the_chunks_gra
             order.append("slot freed")
         return real_release(chunk)
     monkeypatch.setattr(transfer, "h2d_copies", slow_copies)
-    monkeypatch.setattr(pipeline._runner, "_release", release)
+    monkeypatch.setattr(runner, "_release", release)
     model(torch.randn(2, 24, dtype=torch.bfloat16)).float().sum().backward()
     off.step()
     st = off.stats()
