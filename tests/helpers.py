@@ -1,7 +1,7 @@
 # Shared pieces of the tests (not a test module; every test folder imports it as
 # `helpers`: pyproject.toml puts tests/ on sys.path):
 #   - the ISA parametrization, seeded generators, the loading of a benchmark script as a
-#     module and a free TCP port;
+#     module, a free TCP port and a backward that raises when armed;
 #   - full offload's small model on CPU parameters (two param groups, a parameter used on
 #     some micro-batches only, one never used, one frozen), its training runs, and their
 #     replay with the reference or torch;
@@ -67,6 +67,23 @@ def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+class Boom(torch.autograd.Function):
+    """Identity whose backward raises the exception ``Boom.armed`` once (then disarms)."""
+
+    armed = None
+
+    @staticmethod
+    def forward(ctx, x):
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, g):
+        if Boom.armed is not None:
+            exc, Boom.armed = Boom.armed, None
+            raise exc
+        return g
 
 
 # ------------------------------------------------ full offload on CPU parameters

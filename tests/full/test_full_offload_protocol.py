@@ -14,24 +14,7 @@ import torch.nn as nn
 import torch.utils.checkpoint as cp
 
 from cpu_offload._full.optimizer import FullCPUOffloadOptimizer, Phase
-from helpers import REPLAY_HP, SMALL, ReplayRun, phase_of, records_of, staging_rings_of
-
-class Boom(torch.autograd.Function):
-    """Identity whose backward raises ``exc`` when armed."""
-
-    armed = None
-
-    @staticmethod
-    def forward(ctx, x):
-        return x.view_as(x)
-
-    @staticmethod
-    def backward(ctx, g):
-        if Boom.armed is not None:
-            exc, Boom.armed = Boom.armed, None
-            raise exc
-        return g
-
+from helpers import REPLAY_HP, SMALL, Boom, ReplayRun, phase_of, records_of, staging_rings_of
 
 class Net(nn.Module):
     def __init__(self, reentrant=False):

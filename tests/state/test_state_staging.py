@@ -15,7 +15,7 @@ import torch.nn as nn
 from cpu_offload import StateOffloadOptimizer, offload_optimizer
 from cpu_offload._common.dtensor import local_of
 from cpu_offload._state.copies import SyncStateCopies
-from helpers import state_staging_of
+from helpers import Boom, state_staging_of
 
 CPU = torch.device("cpu")
 
@@ -47,22 +47,6 @@ OPTIMIZERS = {
     "heavy_ball": lambda ps: HeavyBall(ps),
     "adagrad": lambda ps: torch.optim.Adagrad(ps, lr=1e-2),  # state made at construction, on the device
 }
-
-
-class Boom(torch.autograd.Function):
-    """Identity whose backward raises while ``armed``."""
-
-    armed = False
-
-    @staticmethod
-    def forward(ctx, x):
-        return x.view_as(x)
-
-    @staticmethod
-    def backward(ctx, g):
-        if Boom.armed:
-            raise RuntimeError("boom")
-        return g
 
 
 class Net(nn.Module):
@@ -177,23 +161,23 @@ def test_window_length_is_learned_when_not_given():
     assert prefetched_after_each_backward(model, opt, 1, 3) == [0, 0, 4]
     assert prefetched_after_each_backward(model, opt, 2, 2) == [0, 0]  # a short last window
     assert opt.stats()["step_copied_bytes"] == opt.stats()["h2d_bytes"] > 0
-    Boom.armed = True
+    Boom.armed = RuntimeError("boom")
     try:
         with pytest.raises(RuntimeError, match="boom"):
             backward(model, 3, 0)
     finally:
-        Boom.armed = False
+        Boom.armed = None
     assert state_staging_of(opt).completed == 0
     assert prefetched_after_each_backward(model, opt, 3, 3) == [0, 0, 4]
     assert state_staging_of(opt).window == 3
     for s, accum in enumerate([3, 3, 2, 3]):
         if s == 3:  # b's gradients of the backward that raised stay in b.grad
-            Boom.armed = True
+            Boom.armed = RuntimeError("boom")
             try:
                 with pytest.raises(RuntimeError, match="boom"):
                     backward(m1, 3, 0)
             finally:
-                Boom.armed = False
+                Boom.armed = None
         for m in range(accum):
             backward(m1, s, m)
         plain.step()
@@ -258,12 +242,12 @@ def test_exception_in_the_middle_of_backward(then):
     train(m1, plain, range(2))
     train(m2, wrapped, range(2))
     for model, opt in ((m1, plain), (m2, wrapped)):
-        Boom.armed = True
+        Boom.armed = RuntimeError("boom")
         try:
             with pytest.raises(RuntimeError, match="boom"):
                 backward(model, 2)  # b's gradients (and its prefetch) came before the error
         finally:
-            Boom.armed = False
+            Boom.armed = None
         if then == "step":
             opt.step()  # steps b only, as torch does
         opt.zero_grad()
