@@ -16,6 +16,7 @@ import torch.utils.checkpoint as cp
 from cpu_offload._full.optimizer import FullCPUOffloadOptimizer, Phase
 from helpers import REPLAY_HP, SMALL, Boom, ReplayRun, phase_of, records_of, staging_rings_of
 
+
 class Net(nn.Module):
     def __init__(self, reentrant=False):
         super().__init__()
