@@ -57,7 +57,13 @@ __all__ = [
 
 _DTYPE_CODE = {torch.float32: 0, torch.bfloat16: 1}
 _OUT_KIND = {None: 0, torch.float32: 1, torch.bfloat16: 2}
-_CACHE_SIZE = 256
+# NOTE: an LRU cache misses on every call of a cycle over more lists than it holds. Full
+# offload's worker cycles over the kernel calls of all its chunk plans every step, and the
+# slots a chunk gets rotate from step to step, so their number grows with the model
+# (_full/chunk_runner.py); a miss validates from scratch (about 60 us for five lists of five
+# tensors, several times that while the GIL is contended). An entry costs a few hundred
+# bytes and one weak reference per tensor.
+CACHE_ENTRIES = 8192
 
 
 # ---------------------------------------------------------------- ISA and threads
@@ -266,7 +272,7 @@ def _prepared(kind: str, named_lists, dtypes_by_name):
     entry.refs = [weakref.ref(t, callback) for t in unique]
     with _cache_lock:
         _cache[key] = entry
-        while len(_cache) > _CACHE_SIZE:
+        while len(_cache) > CACHE_ENTRIES:
             _cache.popitem(last=False)
     return entry, lists
 

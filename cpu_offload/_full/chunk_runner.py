@@ -26,7 +26,10 @@ from cpu_offload._full.transfer import HostRing, Slot, wait_until
 
 __all__ = ["ChunkRunner", "SteppedPiece"]
 
-_PLAN_CACHE_MAX = 4096
+# NOTE: a plan's kernel calls (one to four, typically) stay validated in the kernels' LRU
+# cache only while the calls of every plan in use fit in it; with more plans than this the
+# runner starts afresh instead of making every call miss.
+_PLAN_CACHE_MAX = kernels.CACHE_ENTRIES // 4
 # Largest |factor * g| whose square, times (1 - beta2) <= 1, stays far from float32's
 # maximum (3.4e38 = (1.8e19)**2).
 _SAFE_GRAD = 2.0**61

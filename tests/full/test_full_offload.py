@@ -354,3 +354,43 @@ def test_slot_waits_show_a_backward_held_up_by_the_worker(monkeypatch):
     st = off.stats()
     assert st["slot_wait_s"] >= 0.05 * (st["chunks"] - SMALL["num_slots"] - 1)
     assert st["kernel_s"] >= 0.05 * st["chunks"] and st["grad_wait_s"] >= 0.0 and st["h2d_slot_wait_s"] >= 0.0
+
+
+def test_the_steady_state_validates_only_new_plans(monkeypatch):
+    # The worker cycles over every chunk plan's kernel calls each step, and the slots a chunk
+    # gets rotate, so a model of many chunks uses more tensor lists than a small LRU cache of
+    # validated lists holds; every call would then validate its lists from scratch. Once
+    # the plans exist, a kernel call validates only the lists of a plan built for it.
+    from cpu_offload import kernels
+    torch.manual_seed(0)
+    model = nn.Sequential(*(nn.Linear(64, 64) for _ in range(201)))
+    slot = 2 * 64 * 64 * 2 + 4096  # two weights and their biases per chunk
+    off = FullCPUOffloadOptimizer(torch.optim.AdamW(model.parameters(), lr=1e-3), pinned_bytes=8 * slot, num_slots=4)
+    x = torch.randn(4, 64, dtype=torch.bfloat16)
+    runner = worker_parts_of(off)[1]
+    validated, new_calls = [0], [0]
+    real_check, real_build = kernels._check_list, runner._build_plan
+
+    def check_list(name, *args, **kwargs):
+        validated[0] += name in ("params", "accumulators")  # one per validation of a call's lists
+        return real_check(name, *args, **kwargs)
+
+    def build_plan(*args):
+        plan = real_build(*args)
+        new_calls[0] += len(plan.optimizer_calls) + len(plan.accumulate_calls)
+        return plan
+    monkeypatch.setattr(kernels, "_check_list", check_list)
+    monkeypatch.setattr(runner, "_build_plan", build_plan)
+    for _ in range(12):
+        model(x).float().pow(2).mean().backward()
+        off.step()
+        off.zero_grad()
+    assert new_calls[0] > 256  # more lists than a cache of the old size held
+    late_validated, late_new = validated[0], new_calls[0]
+    for _ in range(4):
+        model(x).float().pow(2).mean().backward()
+        off.step()
+        off.zero_grad()
+    assert off.stats()["chunks"] > 30
+    assert validated[0] - late_validated == new_calls[0] - late_new
+    off.close()
