@@ -44,12 +44,12 @@
 #   tiny-a..c   64      2..4        4      128   CPU plumbing checks (vocab 256)
 #
 # NOTE: no full fp32 copy of a model ever exists in host or GPU memory: the model is built
-# on the meta device and materialised one parameter at a time on the device, directly in
-# the dtype its mode keeps there (llama_model.materialize_: bf16 for the full modes, fp32
-# for none, whose optimizer needs fp32 weights), then wrapped in per-block activation
-# checkpointing (torch.utils.checkpoint, non-reentrant) and sharded per block with FSDP2
-# as in examples/train_fsdp.py. Each mode gets an even share of the time left when it
-# starts (what an earlier mode left over carries forward). The workers run with
+# on the meta device and materialised one parameter at a time on the device, directly in the
+# dtype its mode keeps there (llama_model.materialize_: bf16 for the full modes, fp32 for
+# none, whose optimizer needs fp32 weights), then wrapped in per-block activation
+# checkpointing (torch.utils.checkpoint, non-reentrant) and sharded with FSDP2 as in
+# examples/train_fsdp.py. Each mode gets an even share of the time left when it starts (what
+# an earlier mode left over carries forward). The workers run with
 # PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True unless it is set. Non-goals: several
 # GPUs, real data, tuning each configuration's batch shape.
 
@@ -128,12 +128,12 @@ def _load_example():
 def build_checkpointed_model(ex, mcfg, device, *, dtype, seed: int):
     """The example's model built on the meta device, materialised on `device` in `dtype`
     (llama_model.materialize_), each block under non-reentrant activation checkpointing,
-    sharded with FSDP2 per block and at the root under the example's bf16 policy."""
+    sharded with FSDP2 as the example shards it (train_fsdp.shard_model) under its bf16 policy."""
     import torch
     import torch.distributed as dist
     import torch.nn as nn
     from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+    from torch.distributed.fsdp import MixedPrecisionPolicy
     from torch.utils.checkpoint import checkpoint
 
     import llama_model
@@ -153,9 +153,7 @@ def build_checkpointed_model(ex, mcfg, device, *, dtype, seed: int):
     model.blocks = nn.ModuleList(Checkpointed(block) for block in model.blocks)
     mesh = init_device_mesh(device.type, (dist.get_world_size(),))
     mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
-    for block in model.blocks:
-        fully_shard(block, mesh=mesh, mp_policy=mp)
-    fully_shard(model, mesh=mesh, mp_policy=mp)
+    ex.shard_model(model, mesh=mesh, mp_policy=mp)
     return model
 
 

@@ -130,8 +130,7 @@ class Transformer(nn.Module):
         for block in self.blocks:
             x = block(x)
         x = self.norm(x)
-        weight = self.embed.weight if self.head is None else self.head.weight
-        return F.linear(x, weight)
+        return F.linear(x, self.embed.weight) if self.head is None else self.head(x)
 
 
 @torch.no_grad()

@@ -1,9 +1,10 @@
 # FSDP2 training example for cpu_offload.
 #
-# Scope: the Llama-style decoder of llama_model.py, sharded with fully_shard per block and
-# at the root under a bf16 MixedPrecisionPolicy, trained on synthetic tokens generated on
-# the device, with the optimizer wrapped by cpu_offload.offload_optimizer. Cosine LR
-# schedule with warm-up, one log line per step, torch.distributed.checkpoint save/resume.
+# Scope: the Llama-style decoder of llama_model.py, sharded with fully_shard per block, the
+# output head with the final norm, and the root, under a bf16 MixedPrecisionPolicy, trained
+# on synthetic tokens generated on the device, with the optimizer wrapped by
+# cpu_offload.offload_optimizer. Cosine LR schedule with warm-up, one log line per step,
+# torch.distributed.checkpoint save/resume.
 #
 # Runs as:
 #   python examples/train_fsdp.py --preset tiny                        # seconds, on a laptop CPU
@@ -43,7 +44,7 @@ GIB = float(1 << 30)
 
 def build_model(cfg: ModelConfig, device: torch.device, *, fsdp: bool = True,
                 offload_policy=None, seed: int = 0) -> Transformer:
-    """Build the model on `device` and, with fsdp, shard it per block and at the root.
+    """Build the model on `device` and, with fsdp, shard it (shard_model).
 
     NOTE: every rank builds the full model from the same seed and fully_shard keeps
     only its shard, so the initial weights do not depend on the world size. For a
@@ -59,10 +60,24 @@ def build_model(cfg: ModelConfig, device: torch.device, *, fsdp: bool = True,
         kw = dict(mesh=mesh, mp_policy=mp)
         if offload_policy is not None:
             kw["offload_policy"] = offload_policy
-        for block in model.blocks:
-            fully_shard(block, **kw)
-        fully_shard(model, **kw)
+        shard_model(model, **kw)
     return model
+
+
+def shard_model(model: Transformer, **kw) -> None:
+    """fully_shard per block, the final norm with the output head, then the root (the
+    embedding).
+
+    NOTE: the head's group is reduce-scattered right after the head's backward, so its
+    gradient is the first to reach the optimizer; in the root's group it would arrive with
+    the embedding's, at the very end of backward. Its backward follows its forward at once,
+    so it keeps its weights gathered in between.
+    """
+    for block in model.blocks:
+        fully_shard(block, **kw)
+    if model.head is not None:
+        fully_shard([model.norm, model.head], reshard_after_forward=False, **kw)
+    fully_shard(model, **kw)
 
 
 # ---------------------------------------------------------------- optimizer, LR

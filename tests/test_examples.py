@@ -6,7 +6,8 @@
 # samples, so their losses agree; SignSGD gives the same losses with and without full
 # offload; full offload moves the bytes the design says, and trains alike with bf16
 # moments (--state-dtype). The synthetic data (noisy walks of one permutation) and the
-# model's options (tied head, no rotary embeddings) are checked on their own. The
+# model's options (tied head, no rotary embeddings) are checked on their own, and so is the
+# order in which shard_model's groups deliver their gradients (the head's first). The
 # quickstart is the README's quickstart, trains in every mode and prints one summary line per mode.
 #
 # NOTE: to keep the suite fast on a small CI host, each world size is one process per
@@ -325,3 +326,33 @@ def test_quickstart_trains_in_every_mode():
 
 if __name__ == "__main__" and len(sys.argv) == 3 and sys.argv[1] == "--driver":
     sys.exit(_driver(sys.argv[2]))
+
+
+_ARRIVAL_ORDER = """
+import json, sys, torch
+sys.path.insert(0, sys.argv[1])
+import cpu_offload, train_fsdp
+device = torch.device("cpu")
+train_fsdp.init_distributed(device)
+cfg = train_fsdp.ModelConfig(vocab_size=256, d_model=64, n_layers=3, n_heads=4, ffn_dim=128, max_seq_len=32)
+model = train_fsdp.build_model(cfg, device, fsdp=True)
+opt = cpu_offload.offload_optimizer(torch.optim.AdamW(model.parameters(), lr=1e-3), offload="full")
+order = []
+for name, p in model.named_parameters():
+    p.register_post_accumulate_grad_hook(lambda p, name=name: order.append(name))
+model(torch.randint(0, 256, (2, 32))).float().logsumexp(-1).mean().backward()
+opt.step()
+print(json.dumps(order))
+"""
+
+
+def test_the_sharded_head_is_the_first_gradient_and_the_embedding_the_last():
+    # shard_model puts the head (with the final norm) in a group of its own: its gradient is
+    # reduce-scattered right after its backward, so the CPU step starts on it, instead of
+    # waiting with the embedding's, in the root's group, for the end of backward.
+    out = subprocess.run([sys.executable, "-c", _ARRIVAL_ORDER, str(EXAMPLES)], capture_output=True, text=True,
+                         timeout=120)
+    assert out.returncode == 0, out.stderr[-3000:]
+    order = json.loads(out.stdout.splitlines()[-1])
+    assert sorted(order[:2]) == ["head.weight", "norm.weight"] and order[-1] == "embed.weight"
+    assert [n.split(".")[1] for n in order[2:-1] if n.startswith("blocks.")] == ["2"] * 7 + ["1"] * 7 + ["0"] * 7
