@@ -26,10 +26,6 @@ from cpu_offload._full.transfer import HostRing, Slot, wait_until
 
 __all__ = ["ChunkRunner", "SteppedPiece"]
 
-# NOTE: a plan's kernel calls (one to four, typically) stay validated in the kernels' LRU
-# cache only while the calls of every plan in use fit in it; with more plans than this the
-# runner starts afresh instead of making every call miss.
-_PLAN_CACHE_MAX = kernels.CACHE_ENTRIES // 4
 # Largest |factor * g| whose square, times (1 - beta2) <= 1, stays far from float32's
 # maximum (3.4e38 = (1.8e19)**2).
 _SAFE_GRAD = 2.0**61
@@ -114,6 +110,10 @@ class ChunkRunner:
         self._diagnose = diagnose
         self._h2d_next = 0
         self._plans: dict = {}
+        # NOTE: a plan's kernel calls (one to four, typically) stay validated in the kernels'
+        # LRU cache only while the calls of every plan in use fit in it; with more plans than
+        # this the runner starts afresh instead of making every call miss.
+        self._plan_limit = kernels.CACHE_ENTRIES // 4
         self.phase = ""
         self.reset_window()
 
@@ -249,7 +249,7 @@ class ChunkRunner:
         )
         plan = self._plans.get(key)
         if plan is None:
-            if len(self._plans) >= _PLAN_CACHE_MAX:
+            if len(self._plans) >= self._plan_limit:
                 self._plans.clear()
             plan = self._plans[key] = self._build_plan(chunk, out_slot)
         return plan
