@@ -30,6 +30,8 @@
 #               spread over the model whose state on the GPU makes the rest fit in host RAM;
 #               after 3 windows, as much state as the GPU has room for. These modes run 3
 #               more steps and time those after the split settled
+#   full_overlap, full_bf16_overlap   full / full_bf16 with overlap_forward=model: the next
+#               forward starts while the CPU steps the last chunks
 #
 # Configurations (ModelConfig of examples/llama_model.py; vocab 32000, untied head, no GQA
 # since the example's attention has none, so the counts differ a little from Llama's own):
@@ -77,14 +79,17 @@ EXAMPLES = ROOT / "examples"
 RESULT_TAG = "CAPACITY_RESULT "
 GIB = float(1 << 30)
 
-MODES = ("floor", "none", "full", "full_bf16", "full_auto", "full_bf16_auto")
-FULL_MODES = ("full", "full_bf16", "full_auto", "full_bf16_auto")
+MODES = ("floor", "none", "full", "full_bf16", "full_overlap", "full_bf16_overlap", "full_auto", "full_bf16_auto")
+FULL_MODES = ("full", "full_bf16", "full_overlap", "full_bf16_overlap", "full_auto", "full_bf16_auto")
+DEFAULT_MODES = ("floor", "none", "full", "full_bf16", "full_auto", "full_bf16_auto")
 AUTO_MODES = ("full_auto", "full_bf16_auto")
 AUTO_WINDOWS = 3  # cpu_offload/_full/device_state.py: windows before the split settles
 # mode -> (offload=, state_dtype, dtype the model is materialised in on the device)
 MODE_OPTIONS = {"floor": (None, None, "bfloat16"), "none": ("none", "float32", "float32"),
                 "full": ("full", "float32", "bfloat16"), "full_bf16": ("full", "bfloat16", "bfloat16"),
-                "full_auto": ("full", "float32", "bfloat16"), "full_bf16_auto": ("full", "bfloat16", "bfloat16")}
+                "full_auto": ("full", "float32", "bfloat16"), "full_bf16_auto": ("full", "bfloat16", "bfloat16"),
+                "full_overlap": ("full", "float32", "bfloat16"),
+                "full_bf16_overlap": ("full", "bfloat16", "bfloat16")}
 _LLAMA = dict(vocab_size=32000)
 CONFIGS = {
     "1b": dict(_LLAMA, d_model=2048, n_layers=16, n_heads=16, ffn_dim=5632),
@@ -257,7 +262,8 @@ def _train(ex, cfg: dict, device) -> dict:
     else:
         opt = ex.build_optimizer(model, name="adamw", lr=cfg["lr"], weight_decay=0.1, offload=offload, grad_accum=1,
                                  state_dtype=getattr(torch, state_dtype),
-                                 gpu_state="auto" if cfg["mode"] in AUTO_MODES else None)
+                                 gpu_state="auto" if cfg["mode"] in AUTO_MODES else None,
+                                 overlap_forward=cfg["mode"].endswith("_overlap"))
     setup_s = time.perf_counter() - t0
     sched = ex.make_scheduler(opt, lr=cfg["lr"], warmup=1, total=cfg["steps"], min_ratio=0.1)
     settings = ex.StepSettings(batch_size=cfg["tokens_per_step"] // cfg["seq_len"], seq_len=cfg["seq_len"],
@@ -430,7 +436,7 @@ def _host_ram_gib() -> Optional[float]:
 def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description="The largest Llama-shaped model each mode trains on one device.",
                                 formatter_class=argparse.ArgumentDefaultsHelpFormatter)
-    p.add_argument("--modes", default=",".join(MODES), help=f"comma list of {', '.join(MODES)}")
+    p.add_argument("--modes", default=",".join(DEFAULT_MODES), help=f"comma list of {', '.join(MODES)}")
     p.add_argument("--configs", default="llama",
                    help=f"a set ({', '.join(CONFIG_SETS)}) or a comma list of {', '.join(CONFIGS)}, smallest first")
     p.add_argument("--steps", type=int, default=3, help="training steps per configuration")

@@ -10,6 +10,8 @@
 #   full+clip_all           full, with a max_norm of 1e-6: every step is rolled back and
 #                           redone with the clipping coefficient (the cost of a clipped step)
 #   full_bf16               full, with AdamW's moments stored in bf16 (state_dtype)
+#   full_overlap, full_bf16_overlap   full / full_bf16 with overlap_forward=model: the next
+#                           forward starts while the CPU steps the last chunks
 #   full_auto, full_bf16_auto   full / full_bf16 with gpu_state="auto": the state the GPU
 #                           has room for moves there once the warm-up windows are seen
 #   torchao                 torchao.optim.CPUOffloadOptimizer (fused CPU AdamW,
@@ -48,11 +50,13 @@ from worker_process import run_worker  # noqa: E402
 CLIP_NORMS = {"full+clip": 1e6, "full+clip_all": 1e-6}
 
 # The cpu_offload modes: mode -> (offload=, state_dtype name) for the example's build_optimizer().
-# The "_auto" modes add gpu_state="auto" (settled during the warm-up steps, see AUTO_WINDOWS).
+# The "_auto" modes add gpu_state="auto" (settled during the warm-up steps, see AUTO_WINDOWS),
+# the "_overlap" modes overlap_forward=model.
 OFFLOAD_OPTIONS = {"none": ("none", "float32"), "optimizer": ("optimizer", "float32"), "full": ("full", "float32"),
                    "full_auto": ("full", "float32"), "full_bf16_auto": ("full", "bfloat16"),
                    "full+clip": ("full", "float32"), "full+clip_all": ("full", "float32"),
-                   "full_bf16": ("full", "bfloat16")}
+                   "full_bf16": ("full", "bfloat16"), "full_overlap": ("full", "float32"),
+                   "full_bf16_overlap": ("full", "bfloat16")}
 
 # The report functions are re-exported: one module to import for the whole benchmark.
 __all__ = ["LABELS", "MODES", "build_report", "format_table", "plot", "summarize", "summary_lines",
@@ -114,7 +118,8 @@ def _build(ex, mode: str, mcfg, device, cfg: dict):
         model = ex.build_model(mcfg, device, seed=cfg["seed"])
         opt = ex.build_optimizer(model, name="adamw", lr=lr, weight_decay=wd, offload=offload, grad_accum=1,
                                  state_dtype=getattr(torch, state_dtype),
-                                 gpu_state="auto" if mode.endswith("_auto") else None)
+                                 gpu_state="auto" if mode.endswith("_auto") else None,
+                                 overlap_forward=mode.endswith("_overlap"))
         return model, opt, None
     if mode == "torchao":
         from torchao.optim import CPUOffloadOptimizer

@@ -11,8 +11,8 @@ import math
 import statistics
 from typing import Optional
 
-MODES = ("none", "optimizer", "full", "full+clip", "full+clip_all", "full_bf16", "full_auto", "full_bf16_auto",
-         "torchao", "fsdp_cpu")
+MODES = ("none", "optimizer", "full", "full+clip", "full+clip_all", "full_bf16", "full_overlap", "full_bf16_overlap",
+         "full_auto", "full_bf16_auto", "torchao", "fsdp_cpu")
 LABELS = {
     "none": "none",
     "optimizer": "optimizer",
@@ -20,6 +20,8 @@ LABELS = {
     "full+clip": "full + clip_grad_norm_ (never clips)",
     "full+clip_all": "full + clip_grad_norm_ (clips every step)",
     "full_bf16": "full, bf16 moments",
+    "full_overlap": "full, overlap_forward",
+    "full_bf16_overlap": "full, bf16 moments, overlap_forward",
     "full_auto": "full, gpu_state=auto",
     "full_bf16_auto": "full, bf16 moments, gpu_state=auto",
     "torchao": "torchao CPUOffloadOptimizer",

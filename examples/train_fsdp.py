@@ -92,13 +92,15 @@ def param_groups(model: nn.Module, weight_decay: float) -> list[dict]:
 
 
 def build_optimizer(model: nn.Module, *, name: str, lr: float, weight_decay: float,
-                    offload: str, grad_accum: int, state_dtype: torch.dtype = torch.float32, gpu_state=None):
+                    offload: str, grad_accum: int, state_dtype: torch.dtype = torch.float32, gpu_state=None,
+                    overlap_forward: bool = False):
     """AdamW or SignSGD over `model`, wrapped for `offload`; `state_dtype` (AdamW's
-    moments in host RAM) and `gpu_state` (a byte budget or "auto" for state kept on the
-    GPU) are options of offload="full" only."""
-    if offload != "full" and (state_dtype != torch.float32 or gpu_state is not None):
-        raise ValueError(f"state_dtype={state_dtype} and gpu_state={gpu_state!r} need offload='full', "
-                         f"got offload={offload!r}")
+    moments in host RAM), `gpu_state` (a byte budget or "auto" for state kept on the
+    GPU) and `overlap_forward` (the next forward starts while the CPU finishes the step)
+    are options of offload="full" only."""
+    if offload != "full" and (state_dtype != torch.float32 or gpu_state is not None or overlap_forward):
+        raise ValueError(f"state_dtype={state_dtype}, gpu_state={gpu_state!r} and overlap_forward="
+                         f"{overlap_forward} need offload='full', got offload={offload!r}")
     groups = param_groups(model, weight_decay)
     if name == "adamw":
         opt = torch.optim.AdamW(groups, lr=lr, betas=(0.9, 0.95), eps=1e-8)
@@ -110,7 +112,7 @@ def build_optimizer(model: nn.Module, *, name: str, lr: float, weight_decay: flo
     # cpu_offload code (offload_optimizer would return it unchanged anyway).
     if offload == "full":
         opt = cpu_offload.offload_optimizer(opt, offload=offload, grad_accum_steps=grad_accum, state_dtype=state_dtype,
-                                            gpu_state=gpu_state)
+                                            gpu_state=gpu_state, overlap_forward=model if overlap_forward else None)
     elif offload != "none":
         opt = cpu_offload.offload_optimizer(opt, offload=offload, grad_accum_steps=grad_accum)
     return opt
@@ -381,6 +383,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--gpu-state", default=None, metavar="BYTES|auto",
                    help="--offload full: device memory for the state of parameters spread over the model "
                         "(stepped on the GPU), or auto")
+    p.add_argument("--overlap-forward", action="store_true",
+                   help="--offload full: step() returns before the CPU has stepped every chunk; each module "
+                        "of the next forward waits for its own new weights")
     p.add_argument("--steps", type=int, default=20, help="total optimizer steps")
     p.add_argument("--batch-size", type=int, default=4, help="sequences per rank per micro-batch")
     p.add_argument("--seq-len", type=int, default=2048, help="tokens per sequence")
@@ -410,6 +415,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     args = p.parse_args(argv)
     if args.state_dtype != "float32" and (args.offload != "full" or args.optimizer != "adamw"):
         p.error("--state-dtype bfloat16 needs --offload full and --optimizer adamw")
+    if args.overlap_forward and args.offload != "full":
+        p.error("--overlap-forward needs --offload full")
     if args.gpu_state is not None:
         if args.offload != "full":
             p.error("--gpu-state needs --offload full")
@@ -445,7 +452,7 @@ def main(argv=None) -> list[dict]:
     model = build_model(cfg, device, seed=args.seed)
     opt = build_optimizer(model, name=args.optimizer, lr=args.lr, weight_decay=args.weight_decay, offload=args.offload,
                           grad_accum=args.grad_accum, state_dtype=getattr(torch, args.state_dtype),
-                          gpu_state=args.gpu_state)
+                          gpu_state=args.gpu_state, overlap_forward=args.overlap_forward)
     start = load_checkpoint(resolve_checkpoint(args.resume), model, opt) if args.resume else 0
     sched = make_scheduler(opt, lr=args.lr, warmup=min(args.warmup_steps, args.steps),
                            total=args.steps, min_ratio=args.min_lr_ratio, start_step=start)

@@ -223,9 +223,15 @@ class ChunkRunner:
         if chunk.deferred:
             self.held_back = True
         elif not self.held_back and self.track_norms:
-            self.held_back = any(math.sqrt(p.rec.grad_sq) * chunk.hparams[p.rec.group]["grad_scale"] > _SAFE_GRAD
-                                 for p in chunk.pieces)
+            self.held_back = self.could_overflow([p.rec for p in chunk.pieces], chunk)
         return self.held_back
+
+    def could_overflow(self, recs: list, chunk) -> bool:
+        """Whether the speculative step of one of ``recs`` with the hyper-parameters of
+        ``chunk`` (a Chunk or the Pass that forms it) could overflow (``_hold_back``)."""
+        if not (chunk.speculative and self.algorithm == "adamw" and self.track_norms):
+            return False
+        return any(math.sqrt(r.grad_sq) * chunk.hparams[r.group]["grad_scale"] > _SAFE_GRAD for r in recs)
 
     def _read_norms(self, chunk) -> None:
         """Each piece's gradient norm: from the device's per-parameter norm, or of the

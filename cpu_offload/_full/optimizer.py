@@ -49,11 +49,12 @@ from cpu_offload._full.options import (
 )
 from cpu_offload._full.binding import bind_for
 from cpu_offload._full.pipeline import Pipeline
-from cpu_offload._full.protocol import Phase, ProtocolState
+from cpu_offload._full.protocol import Phase, ProtocolError, ProtocolState
 from cpu_offload._full.state_mapping import StateMapping, for_device_placement
 from cpu_offload._full.validation import StepValidator
 from cpu_offload._full.transfer import HostRing, make_transfer
-from cpu_offload._full.window import finish_window, reset_window, salvage_window
+from cpu_offload._full.window import finish_window, land_window, reset_window, salvage_window
+from cpu_offload._full.forward_overlap import attach_forward_waits, check_overlap_model
 from cpu_offload._full import device_state
 from cpu_offload._full.device_state import (
     AutoSplit, DeviceState, auto_margin, choose_device_records, device_bytes_per_element, records_to_free_host,
@@ -74,8 +75,11 @@ def _user_stacklevel() -> int:
     return level
 
 
-def _shutdown(records, pipeline, transfer) -> None:
+def _shutdown(records, pipeline, transfer, handles) -> None:
     """Release what a wrapper holds; must not reference the wrapper (it runs from a finalizer)."""
+    for handle in handles:
+        handle.remove()
+    handles.clear()
     for rec in records:
         if rec.hook is not None:
             rec.hook.remove()
@@ -137,6 +141,14 @@ class FullCPUOffloadOptimizer(WindowControls, torch.optim.Optimizer):
             leaves free on the device less a margin (10%, at least 4 GiB); at construction,
             parameters spread over the model that make the host state fit when it would not.
             Default None: all on the host.
+        overlap_forward: the model (``nn.Module``) whose forward reads the parameters. Then
+            ``step()`` returns while the CPU still steps the window's last chunks, stepped in
+            the order the next forward reads them; each module of the model waits for its own
+            new weights when its forward starts (forward_overlap.py). A read of a weight
+            outside the model's module forwards before that (an EMA or a log after
+            ``step()``) must call ``wait_for_weights()`` first; the optimizer's own calls,
+            a module's ``state_dict()`` and the next backward wait by themselves. Default
+            None: ``step()`` returns once every new weight is on the device, as in torch.
     """
 
     def __init__(
@@ -155,6 +167,7 @@ class FullCPUOffloadOptimizer(WindowControls, torch.optim.Optimizer):
         skip_nonfinite: bool = True,
         grad_copy: str = "device",
         gpu_state: Optional[Union[int, str]] = None,
+        overlap_forward: Optional[torch.nn.Module] = None,
     ) -> None:
         self._proto = ProtocolState()  # CLOSED until fully constructed
         self._algorithm = check_optimizer(optimizer)
@@ -167,6 +180,7 @@ class FullCPUOffloadOptimizer(WindowControls, torch.optim.Optimizer):
         check_gpu_state(gpu_state)
         tracking = skip_nonfinite or max_grad_norm is not None
         records, frozen = collect_records(optimizer)
+        check_overlap_model(overlap_forward, records)
         ownership.check_unowned(records)
         ownership.check_not_cast(records)
         ownership.check_not_ddp(records)
@@ -186,7 +200,8 @@ class FullCPUOffloadOptimizer(WindowControls, torch.optim.Optimizer):
                                      else copy_itemsize)
 
         def rings(recs, room):
-            return staging_rings(recs, keep, compute_dtype, pinned_bytes=pinned_bytes, num_slots=num_slots, room=room)
+            return staging_rings(recs, keep, compute_dtype, pinned_bytes=pinned_bytes, num_slots=num_slots, room=room,
+                                 hold_all=overlap_forward is not None)
 
         def on_host(on_device):
             moved = {id(r) for r in on_device}
@@ -282,7 +297,14 @@ class FullCPUOffloadOptimizer(WindowControls, torch.optim.Optimizer):
         self._pid = os.getpid()
         note_versions(records)
         self._state = StateMapping(records, guard=lambda what: None if (w := ref()) is None else w._check_idle(what))
-        self._finalizer = weakref.finalize(self, _shutdown, records, self._pipeline, transfer)
+        self._overlap = overlap_forward is not None and not (accumulate and tracking)
+        self._multi_rank = (torch.distributed.is_available() and torch.distributed.is_initialized()
+                            and torch.distributed.get_world_size() > 1)
+        handles = [] if overlap_forward is None else attach_forward_waits(
+            overlap_forward, records,
+            wait=lambda recs, fsdp: None if (w := ref()) is None else w._await_weights(recs, fsdp),
+            land=lambda: None if (w := ref()) is None else w.wait_for_weights())
+        self._finalizer = weakref.finalize(self, _shutdown, records, self._pipeline, transfer, handles)
         if any(dtype.itemsize > compute_dtype.itemsize for dtype in originals.values()):
             watch_first_forward(self, compute_dtype)  # explains the dtype error of fp32 inputs
         self._proto.move(Phase.IDLE)
@@ -338,6 +360,7 @@ class FullCPUOffloadOptimizer(WindowControls, torch.optim.Optimizer):
         param.grad = None  # the device copy of the gradient is no longer needed
 
     def _begin_backward(self) -> None:
+        self._land()
         new_window = self._proto.phase is Phase.IDLE
         self._proto.final = self._proto.micro == self.grad_accum_steps - 1
         self._proto.gen += 1
@@ -413,9 +436,19 @@ class FullCPUOffloadOptimizer(WindowControls, torch.optim.Optimizer):
 
     def _complete_window(self) -> None:
         """The window's optimizer step is complete and validated on the host and the
-        device (the window stays open for clip_grad_norm_ until step()): APPLIED."""
+        device (the window stays open for clip_grad_norm_ until step()): APPLIED.
+
+        With overlap_forward its last chunks may still run, once their gradients' norms
+        show that validation will keep their speculative step (finite, and no factor
+        that could overflow): a redo or a skip waits for them (validation.py)."""
+        late = self._overlap and not self._pipeline.deferred
         self._guarded(lambda: finish_window(self._records, self._pipeline, self._transfer,
-                                            zero_fill=self._proto.zero_fill, device=self._device))
+                                            zero_fill=self._proto.zero_fill, device=self._device, land=not late))
+        if late and self._validator.tracking and not self._accumulate:
+            if self._pipeline.read_norms_now(self._validator.window_records()):
+                late = False
+        if late is False and self._pipeline.in_flight:
+            self._guarded(lambda: land_window(self._records, self._pipeline, self._transfer))
         self._guarded(self._device.read_norms)
         with deferred_interrupts():  # NOTE: a Ctrl-C during the validation lands after it, in APPLIED
             self._guarded(self._validator.after_final_pass)
@@ -443,6 +476,7 @@ class FullCPUOffloadOptimizer(WindowControls, torch.optim.Optimizer):
         budget = self._auto.observe()
         if not budget:
             return
+        self._land()  # NOTE: the records chosen may be in a chunk still in flight
         chosen = choose_device_records([r for r in self._records if not r.on_device], budget,
                                        self._device_per_element)
         try:
@@ -457,8 +491,9 @@ class FullCPUOffloadOptimizer(WindowControls, torch.optim.Optimizer):
         if not self._validator.skipped:
             note_versions(self._device.step(self._pipeline.hparams, self._validator.scale))
 
-    def _close_window(self, *, abandoned: bool = False) -> None:
-        reset_window(self._records, self._pipeline)
+    def _close_window(self, *, abandoned: bool = False, landing: bool = False) -> None:
+        if not landing:  # NOTE: the worker still counts the steps of a landing window
+            reset_window(self._records, self._pipeline)
         self._device.reset_window()
         if self.grad_copy == "device":
             for rec in self._records:
@@ -505,21 +540,86 @@ class FullCPUOffloadOptimizer(WindowControls, torch.optim.Optimizer):
         self._guarded(self._validator.apply)
         self._guarded(self._step_device_state)
         self._transfer.set_compute_stream()
-        self._transfer.compute_waits_for_h2d()
+        landing = self._overlap and self._pipeline.in_flight
+        if not landing:
+            self._transfer.compute_waits_for_h2d()
         v = self._validator
-        stats = dict(self._pipeline.stats)
-        stats.update(step_blocked_s=blocked_before + time.perf_counter() - t0,
+        stats = dict(step_blocked_s=blocked_before + time.perf_counter() - t0,
                      pinned_bytes=self._pinned_bytes, host_bytes=self._host.nbytes,
                      gpu_state_bytes=self._device.nbytes, backward_passes=passes,
                      grad_norm=v.grad_norm, clip_coef=v.clip_coef, skipped=v.skipped)
-        self._pipeline.stats.clear()
-        self._close_window()
+        self._close_window(landing=landing)
         self._proto.move(Phase.IDLE)
         self._proto.blocked_s = 0.0
+        self._proto.landing_stats = stats
+        self._proto.landing = landing
+        if not landing:
+            self._note_stats()
+        self._settle_split()
+
+    def _note_stats(self) -> None:
+        """The landed step's figures: those of step() and the pipeline's."""
+        stats = dict(self._pipeline.stats, **self._proto.landing_stats)
+        self._pipeline.stats.clear()
         for key in ("d2h_bytes", "h2d_bytes", "chunks", "kernel_s", "accumulate_s", "worker_overhead_s"):
             stats.setdefault(key, 0)
         self._proto.last_stats = stats
-        self._settle_split()
+
+    def wait_for_weights(self) -> None:
+        """Wait until the last step's new weights are all on the device (with
+        ``overlap_forward``, step() and the window's last backward may return before;
+        without, they already are)."""
+        self._enter()
+        if self._proto.phase is Phase.APPLIED and self._pipeline.in_flight:
+            self._guarded(lambda: land_window(self._records, self._pipeline, self._transfer))
+
+    def _await_weights(self, recs: list, fsdp_state) -> None:
+        """overlap_forward's forward pre-hook: the new weights of ``recs`` are on the
+        device (on the current stream) before the module's forward reads them: after
+        step() returned, or between the window's last backward and step()."""
+        if not (self._proto.landing or self._proto.phase is Phase.APPLIED):
+            return
+        if fsdp_state is not None and getattr(fsdp_state, "_states_to_forward_prefetch", None):
+            self._land()  # NOTE: FSDP2's explicit prefetch all-gathers later groups now
+            return
+        self._pipeline.wait_stepped(recs)
+        if any(r.pieces_done < r.pieces_total for r in recs):
+            self._land()  # the worker failed before stepping them: raises its error
+            return
+        self._transfer.compute_waits_for_h2d()
+        if fsdp_state is not None and self._multi_rank:
+            # NOTE: FSDP2's all-gather copies the shards in on its own stream, ordered after
+            # the compute stream only at the root's forward: wait for the copies here.
+            self._transfer.synchronize()
+        if not self._pipeline.in_flight:
+            self._land()  # the last chunk has run: close the window's bookkeeping now
+
+    def _land(self) -> None:
+        """The last step's chunks have all run and their weights are on the device; the
+        window's bookkeeping is closed. A worker failure raises here, once: the parameters
+        it did not step keep their state and do not count the step."""
+        if not self._proto.landing:
+            return
+        try:
+            self._pipeline.drain()
+            self._transfer.compute_waits_for_h2d()
+        finally:
+            err = self._pipeline.take_error()
+            stepped = [r for r in self._records if r.stepped and not r.on_device]
+            torn = [r.name for r in self._records if r.torn]
+            unfinished = [r.name for r in self._records if r.pieces_total and not r.stepped and not r.torn]
+            held_back = self._pipeline.held_back
+            note_versions(stepped)
+            reset_window(self._records, self._pipeline)
+            self._proto.landing = False
+            self._note_stats()
+        if err is not None:
+            err.args = (f"{err.args[0]}; after step() returned, so {len(stepped)} of {len(self._records)} parameters "
+                        f"took that step and {unfinished[:8]} did not (as if they had no gradient)"
+                        + (f"; {torn} were only partly updated: reload the last checkpoint" if torn else ""),)
+            raise err
+        if held_back:
+            raise ProtocolError("overlap_forward: the worker held back a chunk after step() had returned")
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         """Drop gradients. In the middle of an accumulation window this discards
@@ -530,7 +630,7 @@ class FullCPUOffloadOptimizer(WindowControls, torch.optim.Optimizer):
         ``set_to_none=False`` keeps torch's semantics: parameters that had a
         gradient before are stepped with a zero gradient in later steps.
         """
-        self._enter()
+        self._enter(land=False)  # NOTE: touches nothing the worker reads: overlap_forward keeps running
         if self._proto.phase is Phase.BACKWARD:
             raise RuntimeError("zero_grad() called during a backward pass")
         if self._proto.phase is Phase.ACCUMULATING:
@@ -542,6 +642,7 @@ class FullCPUOffloadOptimizer(WindowControls, torch.optim.Optimizer):
             with deferred_interrupts():  # NOTE: as in step()
                 self._guarded(self._validator.apply)
                 self._guarded(self._step_device_state)
+                self._guarded(lambda: land_window(self._records, self._pipeline, self._transfer))
                 self._close_window()
         if self._proto.phase is Phase.APPLIED and not self._proto.warned_zero_grad:
             self._proto.warned_zero_grad = True
@@ -629,11 +730,13 @@ class FullCPUOffloadOptimizer(WindowControls, torch.optim.Optimizer):
                 "backward: call reset_iter_state() on the root module before the next forward); call zero_grad() "
                 "to drop them")
 
-    def _enter(self) -> None:
+    def _enter(self, *, land: bool = True) -> None:
         ownership.check_same_process(self._pid)
         if self._proto.phase is Phase.CLOSED:
             raise RuntimeError("this FullCPUOffloadOptimizer is closed")
         self._settle()
+        if land:
+            self._land()
 
     def _check_idle(self, what: str) -> None:
         self._check_between_steps(what)
@@ -652,8 +755,11 @@ class FullCPUOffloadOptimizer(WindowControls, torch.optim.Optimizer):
         """Remove the hooks, stop the worker and free the staging rings. Idempotent."""
         if self._proto.phase is Phase.CLOSED:
             return
-        self._proto.move(Phase.CLOSED)
-        self._finalizer()
+        try:
+            self._land()  # NOTE: the last step's weights land before the worker stops
+        finally:
+            self._proto.move(Phase.CLOSED)
+            self._finalizer()
 
     def __repr__(self) -> str:
         return (f"FullCPUOffloadOptimizer({type(self.optimizer).__name__}, grad_accum_steps={self.grad_accum_steps}, "

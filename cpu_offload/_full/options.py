@@ -87,10 +87,11 @@ _MIB = 1 << 20
 # The staging rings by default: 1/8 of the gradient bytes in all (1/16 per direction), between
 # PINNED_MIN and PINNED_MAX, in slots of about SLOT_BYTES.
 PINNED_MIN, PINNED_MAX, SLOT_BYTES = 512 * _MIB, 4096 * _MIB, 256 * _MIB
+PINNED_MAX_HOLD_ALL = 16384 * _MIB
 
 
 def staging_rings(records, keep: set, compute_dtype, *, pinned_bytes: Optional[int], num_slots: Optional[int],
-                  room: int) -> tuple[int, int]:
+                  room: int, hold_all: bool = False) -> tuple[int, int]:
     """``(num_slots, slot bytes)`` of each of the two staging rings.
 
     ``pinned_bytes=None``: 1/8 of the gradient bytes, between 512 MiB and 4 GiB, or 512 MiB
@@ -99,6 +100,9 @@ def staging_rings(records, keep: set, compute_dtype, *, pinned_bytes: Optional[i
     smaller than that burst blocks backward until the CPU kernel frees a slot, and the GPU
     then idles (at 14B, 1.9 s of a 3.7 s step with 512 MiB). 1/16 of the gradient bytes per
     direction holds two to three such bursts of the capacity benchmark's models.
+    ``hold_all`` (overlap_forward): rings that hold every gradient, when they fit in half of
+    ``room`` and in PINNED_MAX_HOLD_ALL: backward never waits for a slot, and the chunks the CPU has not
+    stepped when backward ends are stepped during the next forward, in its order.
     ``num_slots=None``: slots of about 256 MiB, at least 4 per ring (so the 512 MiB floor has
     slots of 64 MiB). Small models get small slots: none is larger than all gradients together
     need. NOTE: each chunk costs the worker about 1 ms of Python between two kernel calls
@@ -106,6 +110,9 @@ def staging_rings(records, keep: set, compute_dtype, *, pinned_bytes: Optional[i
     8B (docs/full-offload-profile.md, "between two kernel calls").
     """
     grad_bytes = sum(r.numel * (4 if id(r.param) in keep or compute_dtype == torch.float32 else 2) for r in records)
+    held = 2 * align_up(grad_bytes + grad_bytes // 16 + 64 * len(records), 4096)  # 1/16: packing's slack
+    if pinned_bytes is None and hold_all and held <= min(room // 2, PINNED_MAX_HOLD_ALL):
+        pinned_bytes = max(PINNED_MIN, held)
     if pinned_bytes is None:
         pinned_bytes = min(PINNED_MAX, max(PINNED_MIN, grad_bytes // 8))
         if pinned_bytes > room:

@@ -13,6 +13,7 @@
 from __future__ import annotations
 
 import collections
+import math
 import threading
 import time
 from dataclasses import dataclass, field
@@ -157,6 +158,11 @@ class Pipeline:
         return self._cur.hparams
 
     @property
+    def deferred(self) -> bool:
+        """The running (or last) backward's chunks wait for the window's final factor."""
+        return self._cur.deferred
+
+    @property
     def held_back(self) -> bool:
         """Chunks of this window were not stepped: the window defers its step, or their
         speculative step could overflow."""
@@ -264,6 +270,47 @@ class Pipeline:
     def end_backward(self) -> None:
         """Queue the open chunk."""
         self._close_open()
+
+    @property
+    def in_flight(self) -> bool:
+        """Chunks are queued or running, or their copies to the device have not completed."""
+        with self._cv:
+            if self._queue or self._busy is not None:
+                return True
+        return not all(self.transfer.is_done(s.marker) for s in self.h2d.slots)
+
+    def reorder_for_forward(self) -> None:
+        """Step the chunks not begun yet last-arrived first: the order in which the next
+        forward reads their parameters, for a model whose backward mirrors its forward."""
+        self._close_open()
+        with self._cv:
+            self._queue = collections.deque(sorted(self._queue, key=lambda c: -c.seq))
+
+    def read_norms_now(self, recs: list) -> bool:
+        """Without accumulation, with norm tracking: set each record's ``grad_sq`` from the
+        norm copied from the device (the worker reads the same values later) once every
+        gradient copy has landed, before the worker stepped it. True if one is NaN or Inf,
+        or if stepping it speculatively could overflow (the worker would hold it back)."""
+        marker = self.transfer.d2h_marker()
+        wait_until(lambda: self.transfer.is_done(marker), timeout_s=self.timeout_s, what="the gradient copies",
+                   diagnose=self.diagnose)
+        for rec in recs:
+            n = float(self._runner.device_norms[rec.index])
+            rec.grad_sq = n * n
+        return any(not math.isfinite(rec.grad_sq) for rec in recs) or self._runner.could_overflow(recs, self._cur)
+
+    def wait_stepped(self, recs: list) -> None:
+        """Wait until each of ``recs`` has its window's step counted, or until the worker has
+        nothing left to do (after a failure some stay unstepped: ``take_error`` says why)."""
+        deadline = time.monotonic() + self.timeout_s
+        with self._cv:
+            while any(r.pieces_done < r.pieces_total for r in recs) and (self._queue or self._busy is not None):
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    raise TimeoutError(f"cpu_offload: timed out after {self.timeout_s:g}s waiting for the step of "
+                                       f"{[r.name for r in recs if r.pieces_done < r.pieces_total][:8]}\n"
+                                       f"{self._diagnose()}")
+                self._cv.wait(min(left, 0.5))
 
     def drain(self) -> None:
         """Wait until every queued chunk has been processed and its copies have

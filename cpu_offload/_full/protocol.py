@@ -14,6 +14,11 @@
 #   BACKWARD, ACCUMULATING, APPLIED ──a failure──► ABORTED ──recovery──► IDLE
 #   any ──close()──► CLOSED;  CLOSED ──construction complete──► IDLE
 #
+# With overlap_forward, step() may enter IDLE while the window's last chunks still run
+# (``landing``): the next forward's modules wait for their own weights, and the next
+# backward, close() and every public call but zero_grad() and stats() wait for all of them
+# and close the window's bookkeeping first.
+#
 # Calls that leave the phase as it is (clip_grad_norm_, scale_grads_, a gradient after
 # the window's last pass: refused) are not transitions. Scope: the table and the check.
 # Non-goals: what each transition does (optimizer.py).
@@ -77,6 +82,10 @@ class ProtocolState:
     warned_zero_grad: bool = False
     blocked_s: float = 0.0
     last_stats: dict = field(default_factory=dict)
+    # overlap_forward: step() returned with the window's last chunks in flight; they land
+    # (window.land_window) before anything else reads or changes the host state.
+    landing: bool = False
+    landing_stats: dict = field(default_factory=dict)  # that step's figures, completed when it lands
 
     def move(self, to: Phase) -> None:
         """Change phase along TRANSITIONS; anything else raises ProtocolError."""

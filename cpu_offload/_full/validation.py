@@ -91,6 +91,8 @@ class StepValidator:
         if self.skipped:
             return math.nan  # NOTE: a skipped window's host copies stop at its first non-finite chunk
         if norm_type not in self._norms:
+            if self.from_host:
+                self._settle_chunks()  # the worker writes the host copies as it steps
             recs = self.window_records()
             local = [float(torch.linalg.vector_norm(r.accum if self.accumulate else r.retained, norm_type,
                                                     dtype=torch.float64)) for r in recs]
@@ -177,9 +179,12 @@ class StepValidator:
         """Make the applied update match the window's factor (a rollback and a redo
         when it changed, or when chunks were held back from the speculative step).
         NOTE: SignSGD's update sign(c*g) = sign(g) for c > 0: never redone."""
-        stepped = self.pipeline.stepped
         if self.skipped or self.algorithm == "sign_sgd":
             return
+        hparams = self.pipeline.hparams or []
+        if self.pipeline.held_back or any(hp["grad_scale"] != self.scale for hp in hparams):
+            self._settle_chunks()  # the redo needs every speculative step done
+        stepped = self.pipeline.stepped
         held_back = self.pipeline.held_back
         if not held_back and (not stepped or all(piece.hparams["grad_scale"] == self.scale for piece in stepped)):
             return
@@ -194,7 +199,14 @@ class StepValidator:
             self.pipeline.restep(recs, hparams, grads_on_host=self.from_host)
             note_versions(recs)
 
+    def _settle_chunks(self) -> None:
+        """The window's chunks still in flight (overlap_forward) have run; a worker failure raises."""
+        if self.pipeline.in_flight:
+            self.pipeline.drain()
+            self.pipeline.raise_error()
+
     def _skip(self) -> None:
+        self._settle_chunks()
         with deferred_interrupts():  # NOTE: all or nothing, as in apply()
             recs = self._rollback(self.pipeline.stepped)
             with torch.no_grad():

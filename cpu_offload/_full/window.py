@@ -12,10 +12,10 @@ import torch
 
 from cpu_offload._full.host_state import note_versions
 
-__all__ = ["finish_window", "salvage_window", "reset_window"]
+__all__ = ["finish_window", "land_window", "salvage_window", "reset_window"]
 
 
-def finish_window(records, pipeline, transfer, *, zero_fill: bool, device=None) -> None:
+def finish_window(records, pipeline, transfer, *, zero_fill: bool, device=None, land: bool = True) -> None:
     """The window's last backward has ended (or step() closes a short window):
     step what is only on the host, wait for every update to land on the device.
 
@@ -23,6 +23,8 @@ def finish_window(records, pipeline, transfer, *, zero_fill: bool, device=None) 
     so parameters that hold one but got no gradient are stepped with zeros.
     ``device``: the DeviceState; its records are only marked here (stepped when the
     window closes, device_state.py).
+    ``land=False`` (overlap_forward): queue the rest, chunks not begun yet in the next
+    forward's order, and return; ``land_window`` waits for them later.
     """
     for rec in records:
         if rec.pieces_total or not (rec.has_accum or (zero_fill and rec.holds_grad)):
@@ -38,6 +40,14 @@ def finish_window(records, pipeline, transfer, *, zero_fill: bool, device=None) 
             if rec.accum is None and rec.retained is None:  # grad_copy="device": the kept gradient
                 rec.retained = zeros
     pipeline.stage_from_host([r for r in records if r.has_accum and r.pieces_total == 0 and not r.on_device])
+    if land:
+        land_window(records, pipeline, transfer)
+    else:
+        pipeline.reorder_for_forward()
+
+
+def land_window(records, pipeline, transfer) -> None:
+    """Wait for every queued chunk and its copies to the device; note the weights written."""
     pipeline.drain()
     transfer.compute_waits_for_h2d()
     err = pipeline.take_error()

@@ -7,7 +7,8 @@
 # bit-identically. With clipping, the norm is the global one on every rank, and
 # a NaN gradient on one rank only skips the step on both. A trainer's loop with a
 # varying number of micro-batches, a divide factor and clipping equals
-# torch.optim.AdamW fed the same gradients.
+# torch.optim.AdamW fed the same gradients. With overlap_forward (the hooks on FSDP2's
+# groups), two processes equal one process without it.
 import os
 import subprocess
 import sys
@@ -330,7 +331,50 @@ def test_fsdp2_variable_windows_match_torch_adamw(tmp_path):
             assert float((got - want).norm() / want.norm()) < 1e-5, (i, key)
 
 
-WORKERS = {"--worker": worker, "--clip-worker": clip_worker, "--window-worker": window_worker}
+def overlap_loop(model, opt, steps=STEPS):
+    for s in range(steps):
+        model(batch(s, 0)).float().pow(2).mean().backward()
+        opt.step()
+        opt.zero_grad()
+    return model(batch(steps, 0)).float()
+
+
+def overlap_worker(out_dir):
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from cpu_offload import offload_optimizer
+
+    dist.init_process_group("gloo")
+    model = _shard(make_model(), init_device_mesh("cpu", (dist.get_world_size(),)))
+    opt = offload_optimizer(make_opt(model), offload="full", overlap_forward=model)
+    out = overlap_loop(model, opt)
+    sd = opt.state_dict()
+    result = {"out": out.detach(), "masters": {i: e["master"].full_tensor() for i, e in sd["state"].items()},
+              "compute": {n: p.full_tensor() for n, p in model.named_parameters()}}
+    if dist.get_rank() == 0:
+        torch.save(result, os.path.join(out_dir, "overlap.pt"))
+    opt.close()
+    dist.destroy_process_group()
+
+
+def test_fsdp2_overlap_forward_equals_one_process_without(tmp_path):
+    from cpu_offload import offload_optimizer
+
+    _run_workers("--overlap-worker", tmp_path)
+    result = torch.load(tmp_path / "overlap.pt")
+    model = make_model()
+    opt = offload_optimizer(make_opt(model), offload="full")
+    assert torch.equal(overlap_loop(model, opt), result["out"])
+    for i, e in opt.state_dict()["state"].items():
+        assert torch.equal(e["master"], result["masters"][i]), i
+    for n, p in model.named_parameters():
+        assert torch.equal(p.detach(), result["compute"][n]), n
+    opt.close()
+
+
+WORKERS = {"--worker": worker, "--clip-worker": clip_worker, "--window-worker": window_worker,
+           "--overlap-worker": overlap_worker}
 
 if __name__ == "__main__" and sys.argv[1:2] and sys.argv[1] in WORKERS:
     import traceback

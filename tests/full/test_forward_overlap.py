@@ -1,0 +1,281 @@
+# overlap_forward on CPU parameters (the worker thread runs the same pipeline as on a GPU):
+# step() returns while chunks are still being stepped, the backlog is stepped in the next
+# forward's order, each module's forward waits for its own new weights, reads outside a
+# forward wait through the optimizer, and every run equals the same run without the option
+# bit for bit: AdamW with fp32 and bf16 moments, SignSGD, clipping that redoes steps, a NaN
+# step, accumulation windows, grad_copy="host". A worker failure after step() surfaces on the
+# caller's thread in the next forward, and an interrupt while a forward waits leaves nothing
+# behind.
+import threading
+
+import pytest
+import torch
+import torch.nn as nn
+
+from cpu_offload import kernels
+from cpu_offload._full.host_state import ParamRecord
+from cpu_offload._full.optimizer import FullCPUOffloadOptimizer
+from cpu_offload._full.pipeline import Pipeline
+from helpers import batches, build, phase_of, records_of, staging_rings_of
+
+# Rings that hold every gradient of helpers.Net (12.6 KB), in 8 KiB slots: with the kernels
+# held, backward must not wait for a slot.
+RINGS = dict(pinned_bytes=1 << 16, num_slots=4)
+
+
+class Gate:
+    """Holds the worker's optimizer kernel calls while closed, until the caller waits for
+    them (a drain, or a forward waiting for its weights); call number ``fail_at`` raises."""
+
+    def __init__(self, monkeypatch):
+        self.opened = threading.Event()
+        self.opened.set()
+        self.fail_at = None
+        self.calls = 0
+        for name in ("adamw_step", "sign_sgd_step"):
+            real = getattr(kernels, name)
+
+            def gated(*args, real=real, **kwargs):
+                assert self.opened.wait(30), "the gate was never opened"
+                self.calls += 1
+                if self.calls == self.fail_at:
+                    raise RuntimeError("injected kernel failure")
+                return real(*args, **kwargs)
+            monkeypatch.setattr(kernels, name, gated)
+        for name in ("drain", "wait_stepped"):
+            real = getattr(Pipeline, name)
+
+            def opening(pipeline, *args, real=real):
+                self.opened.set()
+                return real(pipeline, *args)
+            monkeypatch.setattr(Pipeline, name, opening)
+
+    def close(self):
+        self.opened.clear()
+
+
+def state_of(model, off):
+    return {r.name: (r.master.clone(), None if r.exp_avg is None else r.exp_avg.clone(),
+                     None if r.exp_avg_sq is None else r.exp_avg_sq.clone(), r.step, r.param.detach().clone())
+            for r in records_of(off)}
+
+
+def assert_same(a, b):
+    assert a.keys() == b.keys()
+    for n in a:
+        for x, y in zip(a[n], b[n]):
+            assert x == y if not torch.is_tensor(x) else torch.equal(x, y), n
+
+
+def train(kind, *, overlap, steps=6, k=1, gate=None, clip=None, nan_step=None, **opts):
+    """``build(kind)`` trained for ``steps`` windows of ``k`` passes; with a ``gate``, the
+    kernels are held during each window's last backward, so that step() returns with the
+    window in flight (the next forward opens it). Returns the model, the wrapper and how many steps returned landing."""
+    model, opt = build(kind)
+    off = FullCPUOffloadOptimizer(opt, grad_accum_steps=k, overlap_forward=model if overlap else None,
+                                  **{**RINGS, **opts})
+    landing = 0
+    for s in range(steps):
+        for m, (x, extra) in enumerate(batches(s, k)):
+            loss = model(x.to(torch.bfloat16), use_extra=extra).float().pow(2).mean()  # opens the gate
+            if s == nan_step:
+                loss = loss * float("nan")
+            if gate is not None and m == k - 1:
+                gate.close()
+            loss.backward()
+        if clip is not None:
+            off.clip_grad_norm_(clip)
+        off.step()
+        landing += off._proto.landing
+        off.zero_grad()
+    off.wait_for_weights()
+    return model, off, landing
+
+
+@pytest.mark.parametrize("kind, opts", [
+    ("adamw", {}),
+    ("adamw", {"state_dtype": torch.bfloat16}),
+    ("adamw", {"grad_copy": "host"}),
+    ("adamw", {"skip_nonfinite": False}),
+    ("sign_sgd", {}),
+])
+def test_overlap_equals_the_plain_run_bit_for_bit(monkeypatch, kind, opts):
+    model, off, _ = train(kind, overlap=False, **opts)
+    want = state_of(model, off)
+    off.close()
+    model, off, landing = train(kind, overlap=True, gate=Gate(monkeypatch), **opts)
+    assert landing == 6  # every step returned with chunks in flight
+    assert_same(state_of(model, off), want)
+    off.close()
+
+
+@pytest.mark.parametrize("case", ["clip every step", "clip never", "nan", "accumulation", "accumulation, no guard"])
+def test_validation_and_windows_under_overlap_equal_the_plain_run(monkeypatch, case):
+    opts = {"clip every step": dict(clip=1e-3), "clip never": dict(clip=1e6), "nan": dict(nan_step=2),
+            "accumulation": dict(k=2), "accumulation, no guard": dict(k=2, skip_nonfinite=False)}[case]
+    model, off, _ = train("adamw", overlap=False, **opts)
+    want, skipped = state_of(model, off), off.stats()["skipped_steps"]
+    off.close()
+    model, off, landing = train("adamw", overlap=True, gate=Gate(monkeypatch), **opts)
+    assert_same(state_of(model, off), want)
+    assert off.stats()["skipped_steps"] == skipped == (case == "nan")
+    # A redo, a skip, or norms read from the host accumulators need the window's chunks
+    # done before step() returns; the other windows overlap.
+    assert landing == {"clip every step": 0, "clip never": 6, "nan": 5, "accumulation": 0,
+                       "accumulation, no guard": 6}[case]
+    off.close()
+
+
+def test_step_returns_first_and_each_forward_reads_the_new_weights(monkeypatch):
+    model, off, _ = train("adamw", overlap=False, steps=3)
+    torch.manual_seed(5)
+    probe = torch.randn(4, 24).to(torch.bfloat16)
+    want = model(probe, use_extra=True)
+    off.close()
+    gate = Gate(monkeypatch)
+    model, off, _ = train("adamw", overlap=True, steps=2, gate=gate)
+    gate.close()
+    x, extra = batches(2, 1)[0]
+    model(x.to(torch.bfloat16), use_extra=extra).float().pow(2).mean().backward()
+    off.step()
+    assert off._proto.landing and off._pipeline.in_flight  # held: no chunk of this step has run
+    assert phase_of(off).name == "IDLE"
+    off.zero_grad()  # does not wait
+    assert not gate.opened.is_set()
+    assert torch.equal(model(probe, use_extra=True), want)  # each module waited for its new weights
+    assert not off._proto.landing  # the root module's hook waited for its own (extra, unused): all landed
+    off.close()
+
+
+def test_a_forward_between_backward_and_step_reads_the_new_weights(monkeypatch):
+    model, off, _ = train("adamw", overlap=False, steps=2)
+    torch.manual_seed(5)
+    probe = torch.randn(4, 24).to(torch.bfloat16)
+    want_out, want_l1 = model(probe), model.l1.state_dict()
+    off.close()
+    gate = Gate(monkeypatch)
+    model, off, _ = train("adamw", overlap=True, steps=1, gate=gate)
+    x, extra = batches(1, 1)[0]
+    loss = model(x.to(torch.bfloat16), use_extra=extra).float().pow(2).mean()
+    gate.close()
+    loss.backward()
+    assert phase_of(off).name == "APPLIED" and off._pipeline.in_flight
+    assert torch.equal(model(probe), want_out)  # the window's update, as without the option
+    got = model.l1.state_dict()
+    assert all(torch.equal(got[n], want_l1[n]) for n in want_l1)
+    off.step()
+    off.close()
+
+
+def layers(n=6, width=32):
+    torch.manual_seed(0)
+    return nn.Sequential(*[nn.Linear(width, width, bias=False) for _ in range(n)])
+
+
+def test_the_backlog_is_stepped_in_the_next_forwards_order(monkeypatch):
+    model = layers()
+    # slots of 4 KiB: two 2 KiB weights per chunk, three chunks
+    off = FullCPUOffloadOptimizer(torch.optim.AdamW(model.parameters()), overlap_forward=model,
+                                  pinned_bytes=8 * 4096, num_slots=4)
+    order = []
+    real = ParamRecord.piece_stepped
+    layer = {id(m.weight): i for i, m in enumerate(model)}
+    monkeypatch.setattr(ParamRecord, "piece_stepped", lambda rec: (order.append(layer[id(rec.param)]), real(rec))[1])
+    gate = Gate(monkeypatch)
+    gate.close()
+    model(torch.randn(2, 32).to(torch.bfloat16)).float().sum().backward()  # gradients arrive 5, 4, ..., 0
+    off.step()
+    off.wait_for_weights()
+    # The chunks the worker had not begun when backward ended run last-arrived first: the
+    # worker either held the first chunk (5, 4) already, or none.
+    assert order in ([5, 4, 1, 0, 3, 2], [1, 0, 3, 2, 5, 4])
+    off.close()
+
+
+def test_reads_outside_a_forward_wait_for_the_weights(monkeypatch):
+    model, off, _ = train("adamw", overlap=False, steps=2)
+    want_model, want_opt = model.state_dict(), off.state_dict()
+    off.close()
+    gate = Gate(monkeypatch)
+    model, off, _ = train("adamw", overlap=True, steps=1, gate=gate)
+    gate.close()
+    x, extra = batches(1, 1)[0]
+    model(x.to(torch.bfloat16), use_extra=extra).float().pow(2).mean().backward()
+    off.step()
+    got = model.l2.state_dict()  # a hooked module's state_dict waits for every weight
+    assert not off._proto.landing
+    assert torch.equal(got["weight"], want_model["l2.weight"])
+    assert all(torch.equal(v, want_model[n]) for n, v in model.state_dict().items())
+    got = off.state_dict()["state"]
+    assert all(torch.equal(got[i]["exp_avg"], want_opt["state"][i]["exp_avg"]) for i in want_opt["state"])
+    off.close()
+
+
+def test_a_worker_failure_after_step_surfaces_in_the_next_forward(monkeypatch):
+    model = layers()
+    off = FullCPUOffloadOptimizer(torch.optim.AdamW(model.parameters()), overlap_forward=model,
+                                  pinned_bytes=8 * 4096, num_slots=4)  # one kernel call per chunk
+    x = torch.randn(2, 32).to(torch.bfloat16)
+    before = {r.name: r.master.clone() for r in records_of(off)}
+    gate = Gate(monkeypatch)
+    gate.close()
+    model(x).float().sum().backward()
+    off.step()
+    gate.fail_at = gate.calls + 2  # the second chunk fails, the third is skipped
+    with pytest.raises(RuntimeError, match=r"injected kernel failure.*after step\(\) returned, so 2 of 6"):
+        model(x)
+    # Each parameter took the step entirely or not at all.
+    took = {r.name for r in records_of(off) if r.step == 1}
+    assert len(took) == 2
+    for r in records_of(off):
+        assert torch.equal(r.master, before[r.name]) == (r.name not in took), r.name
+        assert torch.equal(r.param.detach(), r.master.to(torch.bfloat16).view_as(r.param)), r.name
+    # The next step works.
+    model(x).float().sum().backward()
+    off.step()
+    off.wait_for_weights()
+    assert sorted(r.step for r in records_of(off)) == [1, 1, 1, 1, 2, 2]
+    off.close()
+
+
+def test_an_interrupt_while_a_forward_waits_leaves_the_run_exact(monkeypatch):
+    model, off, _ = train("adamw", overlap=False, steps=3)
+    want = state_of(model, off)
+    off.close()
+    gate = Gate(monkeypatch)
+    armed = [True]
+
+    def interrupted(self, recs, real=Pipeline.wait_stepped):
+        if armed[0]:
+            armed[0] = False
+            raise KeyboardInterrupt
+        return real(self, recs)
+    model, off, _ = train("adamw", overlap=True, steps=2, gate=gate)
+    monkeypatch.setattr(Pipeline, "wait_stepped", interrupted)
+    x, extra = batches(2, 1)[0]
+    gate.close()
+    model(x.to(torch.bfloat16), use_extra=extra).float().pow(2).mean().backward()
+    off.step()
+    with pytest.raises(KeyboardInterrupt):
+        model(x.to(torch.bfloat16))
+    assert off._proto.landing
+    model(x.to(torch.bfloat16))  # the next forward waits
+    assert_same(state_of(model, off), want)
+    off.close()
+
+
+def test_the_rings_hold_every_gradient():
+    model, opt = build("adamw")
+    off = FullCPUOffloadOptimizer(opt, overlap_forward=model)
+    d2h, _ = staging_rings_of(off)
+    grad_bytes = sum(r.numel * 2 for r in records_of(off))
+    assert d2h.nbytes >= grad_bytes
+    off.close()
+
+
+def test_overlap_forward_is_checked():
+    model, opt = build("adamw")
+    with pytest.raises(TypeError, match="overlap_forward must be None or the model"):
+        FullCPUOffloadOptimizer(opt, overlap_forward=[model])
+    with pytest.raises(ValueError, match="overlap_forward: the model does not hold"):
+        FullCPUOffloadOptimizer(opt, overlap_forward=nn.Linear(2, 2))
