@@ -71,11 +71,12 @@ def test_forwards_read_the_new_weights_under_a_slow_compute_stream(monkeypatch):
                             pinned_bytes=1 << 22, num_slots=4, overlap_forward=model)
     x = torch.randn(64, 512, device="cuda", dtype=torch.bfloat16)
     landing = 0
-    for _ in range(4):
+    for s in range(6):
         model(x).float().pow(2).mean().backward()
-        with torch.no_grad():
-            early = model(x)  # between the last backward and step()
-        assert torch.equal(early, fresh_forward(opt, model, x))
+        if s % 2:  # waits for every chunk: the step after it has nothing in flight
+            with torch.no_grad():
+                early = model(x)  # between the last backward and step()
+            assert torch.equal(early, fresh_forward(opt, model, x))
         opt.step()
         landing += opt._proto.landing
         with torch.no_grad():
