@@ -263,7 +263,7 @@ class FullCPUOffloadOptimizer(WindowControls, torch.optim.Optimizer):
                 allocate_retained(host_records, self._host)
             self._pipeline = Pipeline(transfer=transfer, algorithm=self._algorithm, d2h=d2h, h2d=h2d,
                                       accumulate=accumulate, timeout_s=float(timeout_s), skip_nonfinite=skip_nonfinite,
-                                      copy_grads=grad_copy == "host", eager_chunks=overlap_forward is not None,
+                                      copy_grads=grad_copy == "host",
                                       norm_slots=1 + max(r.index for r in records) if tracking else 0)
             ref = weakref.ref(self)
             for rec in records:

@@ -98,19 +98,15 @@ class Pipeline:
         norm_slots: with norm tracking, one more than the largest record index.
         copy_grads: without accumulation, copy each stepped gradient to ``ParamRecord.retained``.
         skip_nonfinite: a non-finite gradient stops the window's remaining steps.
-        eager_chunks: queue the open chunk after a parameter's gradient whenever the worker
-            is idle, instead of once the chunk is full (overlap_forward).
     """
 
     def __init__(self, *, transfer, algorithm: str, d2h: HostRing, h2d: HostRing, accumulate: bool, timeout_s: float,
-                 norm_slots: int = 0, skip_nonfinite: bool = False, copy_grads: bool = False,
-                 eager_chunks: bool = False) -> None:
+                 norm_slots: int = 0, skip_nonfinite: bool = False, copy_grads: bool = False) -> None:
         if d2h.slot_bytes != h2d.slot_bytes:
             raise ValueError("d2h and h2d slots must have the same size")
         self.transfer = transfer
         self.d2h, self.h2d = d2h, h2d
         self.timeout_s = timeout_s
-        self.eager_chunks = eager_chunks
         self.stats = collections.Counter()
         self._cv = threading.Condition()
         device_norms = (torch.zeros(norm_slots, dtype=torch.float64, pin_memory=transfer.pin)
@@ -233,10 +229,6 @@ class Pipeline:
             if pl.close_after:
                 self._close_open()
         self._staging = None
-        # NOTE: an idle worker would otherwise wait for the chunk to fill: at the start of
-        # backward that is a block or two of gradients, in which the CPU does nothing.
-        if self.eager_chunks and self._open is not None and not self._queue and self._busy is None:
-            self._close_open()
 
     def stage_from_host(self, recs: list) -> None:
         """Queue optimizer-step chunks for ``recs``, whose window's gradient is on the host
