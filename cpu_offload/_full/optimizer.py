@@ -709,7 +709,8 @@ class FullCPUOffloadOptimizer(WindowControls, torch.optim.Optimizer):
         those waits (``worker_overhead_s``), pinned and host bytes, the bytes of state on the device
         (``gpu_state_bytes``), chunks, ``grad_norm`` and
         ``clip_coef`` (None when not computed), whether it was ``skipped``;
-        ``skipped_steps`` counts since construction."""
+        ``skipped_steps`` counts since construction. With ``overlap_forward``: of the last
+        step whose chunks have all run (empty before the first one has)."""
         return dict(self._proto.last_stats, skipped_steps=self._validator.skipped_steps)
 
     # ------------------------------------------------------------- helpers
