@@ -541,7 +541,11 @@ class FullCPUOffloadOptimizer(WindowControls, torch.optim.Optimizer):
         self._guarded(self._step_device_state)
         self._transfer.set_compute_stream()
         landing = self._overlap and self._pipeline.in_flight
-        if not landing:
+        if self._overlap and not landing:
+            # NOTE: a window whose chunks all ran before step() still notes the weights they
+            # wrote: else the next window would take them for the user's and compare each one
+            self._guarded(lambda: land_window(self._records, self._pipeline, self._transfer))
+        elif not landing:
             self._transfer.compute_waits_for_h2d()
         v = self._validator
         stats = dict(step_blocked_s=blocked_before + time.perf_counter() - t0,

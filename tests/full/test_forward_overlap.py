@@ -289,6 +289,23 @@ def test_an_interrupt_while_a_forward_waits_leaves_the_run_exact(monkeypatch):
     off.close()
 
 
+@pytest.mark.parametrize("held", [False, True])
+def test_the_weights_the_step_wrote_are_not_taken_for_the_users(monkeypatch, held):
+    """Each window notes the weights it wrote, whether its chunks finished before step() or
+    after: otherwise the next window copies every weight back to compare it with its master."""
+    from cpu_offload._full import optimizer as full_optimizer
+    changed = []
+    real = full_optimizer.adopt_external_weights
+
+    def counting(records):
+        changed.append(sum((r.local()._version, r.local().data_ptr()) != r.version for r in records))
+        return real(records)
+    monkeypatch.setattr(full_optimizer, "adopt_external_weights", counting)
+    _, off, landing = train("adamw", overlap=True, steps=5, gate=Gate(monkeypatch) if held else None)
+    assert changed == [0] * 5 and (landing == 5 if held else True)
+    off.close()
+
+
 def test_the_rings_hold_every_gradient():
     model, opt = build("adamw")
     off = FullCPUOffloadOptimizer(opt, overlap_forward=model)
