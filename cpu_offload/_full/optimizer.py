@@ -191,6 +191,9 @@ class FullCPUOffloadOptimizer(WindowControls, torch.optim.Optimizer):
         accumulate = grad_accum_steps > 1
         if accumulate:
             grad_copy = None  # the accumulators hold the window's gradient
+        # NOTE: with accumulation and norm tracking the norms come from the accumulators the
+        # window's chunks complete: such windows land before validation, as without the option
+        overlap = overlap_forward is not None and not (accumulate and tracking)
         copy_itemsize = 0 if grad_copy != "host" else 2 if compute_dtype == torch.bfloat16 else 4
         per_element = device_bytes_per_element(moments=moments, state_dtype=state_dtype, accumulate=accumulate)
 
@@ -201,7 +204,7 @@ class FullCPUOffloadOptimizer(WindowControls, torch.optim.Optimizer):
 
         def rings(recs, room):
             return staging_rings(recs, keep, compute_dtype, pinned_bytes=pinned_bytes, num_slots=num_slots, room=room,
-                                 hold_all=overlap_forward is not None)
+                                 hold_all=overlap)
 
         def on_host(on_device):
             moved = {id(r) for r in on_device}
@@ -297,7 +300,7 @@ class FullCPUOffloadOptimizer(WindowControls, torch.optim.Optimizer):
         self._pid = os.getpid()
         note_versions(records)
         self._state = StateMapping(records, guard=lambda what: None if (w := ref()) is None else w._check_idle(what))
-        self._overlap = overlap_forward is not None and not (accumulate and tracking)
+        self._overlap = overlap
         self._multi_rank = (torch.distributed.is_available() and torch.distributed.is_initialized()
                             and torch.distributed.get_world_size() > 1)
         handles = [] if overlap_forward is None else attach_forward_waits(
@@ -604,10 +607,11 @@ class FullCPUOffloadOptimizer(WindowControls, torch.optim.Optimizer):
         it did not step keep their state and do not count the step."""
         if not self._proto.landing:
             return
-        try:
-            self._pipeline.drain()
-            self._transfer.compute_waits_for_h2d()
-        finally:
+        # NOTE: an interrupted drain leaves the window landing (the worker may still count
+        # its steps): the next call lands it again.
+        self._pipeline.drain()
+        self._transfer.compute_waits_for_h2d()
+        with deferred_interrupts():
             err = self._pipeline.take_error()
             stepped = [r for r in self._records if r.stepped and not r.on_device]
             torn = [r.name for r in self._records if r.torn]

@@ -306,6 +306,33 @@ def test_the_weights_the_step_wrote_are_not_taken_for_the_users(monkeypatch, hel
     off.close()
 
 
+def test_an_interrupt_while_the_window_lands_leaves_the_run_exact(monkeypatch):
+    model, off, _ = train("adamw", overlap=False, steps=3)
+    want = state_of(model, off)
+    off.close()
+    gate = Gate(monkeypatch)
+    armed = [True]
+
+    def interrupted(self, real=Pipeline.drain):  # Gate's drain: opens the gate, then drains
+        if armed[0]:
+            armed[0] = False
+            gate.opened.set()  # the chunks run on behind the interrupt
+            raise KeyboardInterrupt
+        return real(self)
+    model, off, _ = train("adamw", overlap=True, steps=2, gate=gate)
+    monkeypatch.setattr(Pipeline, "drain", interrupted)
+    x, extra = batches(2, 1)[0]
+    gate.close()
+    model(x.to(torch.bfloat16), use_extra=extra).float().pow(2).mean().backward()
+    off.step()
+    with pytest.raises(KeyboardInterrupt):
+        off.wait_for_weights()
+    assert off._proto.landing
+    off.wait_for_weights()
+    assert_same(state_of(model, off), want)
+    off.close()
+
+
 def test_the_rings_hold_every_gradient():
     model, opt = build("adamw")
     off = FullCPUOffloadOptimizer(opt, overlap_forward=model)
