@@ -450,7 +450,7 @@ class FullCPUOffloadOptimizer(WindowControls, torch.optim.Optimizer):
         if late and self._validator.tracking and not self._accumulate:
             if self._pipeline.read_norms_now(self._validator.window_records()):
                 late = False
-        if late is False and self._pipeline.in_flight:
+        if not late and self._pipeline.in_flight:
             self._guarded(lambda: land_window(self._records, self._pipeline, self._transfer))
         self._guarded(self._device.read_norms)
         with deferred_interrupts():  # NOTE: a Ctrl-C during the validation lands after it, in APPLIED

@@ -263,28 +263,32 @@ def test_a_worker_failure_after_step_surfaces_in_the_next_forward(monkeypatch):
     off.close()
 
 
-def test_an_interrupt_while_a_forward_waits_leaves_the_run_exact(monkeypatch):
+@pytest.mark.parametrize("where", ["a forward waits", "the window lands"])
+def test_an_interrupt_while_waiting_leaves_the_run_exact(monkeypatch, where):
     model, off, _ = train("adamw", overlap=False, steps=3)
     want = state_of(model, off)
     off.close()
     gate = Gate(monkeypatch)
-    armed = [True]
+    model, off, _ = train("adamw", overlap=True, steps=2, gate=gate)
+    name = "wait_stepped" if where == "a forward waits" else "drain"
+    real, armed = getattr(Pipeline, name), [True]  # Gate's: opens the gate, then waits
 
-    def interrupted(self, recs, real=Pipeline.wait_stepped):
+    def interrupted(self, *args):
         if armed[0]:
             armed[0] = False
+            gate.opened.set()  # the chunks run on behind the interrupt
             raise KeyboardInterrupt
-        return real(self, recs)
-    model, off, _ = train("adamw", overlap=True, steps=2, gate=gate)
-    monkeypatch.setattr(Pipeline, "wait_stepped", interrupted)
+        return real(self, *args)
+    monkeypatch.setattr(Pipeline, name, interrupted)
     x, extra = batches(2, 1)[0]
     gate.close()
     model(x.to(torch.bfloat16), use_extra=extra).float().pow(2).mean().backward()
     off.step()
+    wait = (lambda: model(x.to(torch.bfloat16))) if where == "a forward waits" else off.wait_for_weights
     with pytest.raises(KeyboardInterrupt):
-        model(x.to(torch.bfloat16))
+        wait()
     assert off._proto.landing
-    model(x.to(torch.bfloat16))  # the next forward waits
+    wait()  # lands the window
     assert_same(state_of(model, off), want)
     off.close()
 
@@ -303,33 +307,6 @@ def test_the_weights_the_step_wrote_are_not_taken_for_the_users(monkeypatch, hel
     monkeypatch.setattr(full_optimizer, "adopt_external_weights", counting)
     _, off, landing = train("adamw", overlap=True, steps=5, gate=Gate(monkeypatch) if held else None)
     assert changed == [0] * 5 and (landing == 5 if held else True)
-    off.close()
-
-
-def test_an_interrupt_while_the_window_lands_leaves_the_run_exact(monkeypatch):
-    model, off, _ = train("adamw", overlap=False, steps=3)
-    want = state_of(model, off)
-    off.close()
-    gate = Gate(monkeypatch)
-    armed = [True]
-
-    def interrupted(self, real=Pipeline.drain):  # Gate's drain: opens the gate, then drains
-        if armed[0]:
-            armed[0] = False
-            gate.opened.set()  # the chunks run on behind the interrupt
-            raise KeyboardInterrupt
-        return real(self)
-    model, off, _ = train("adamw", overlap=True, steps=2, gate=gate)
-    monkeypatch.setattr(Pipeline, "drain", interrupted)
-    x, extra = batches(2, 1)[0]
-    gate.close()
-    model(x.to(torch.bfloat16), use_extra=extra).float().pow(2).mean().backward()
-    off.step()
-    with pytest.raises(KeyboardInterrupt):
-        off.wait_for_weights()
-    assert off._proto.landing
-    off.wait_for_weights()
-    assert_same(state_of(model, off), want)
     off.close()
 
 
