@@ -150,18 +150,25 @@ def test_accumulation_chunks_still_queued_run_before_the_optimizer_chunks(monkey
     off.close()
 
 
+def step_held(monkeypatch, done):
+    """``done`` windows with overlap_forward, then one more whose kernels are held: its step()
+    returns with every chunk in flight. Returns the model, the wrapper and the gate."""
+    gate = Gate(monkeypatch)
+    model, off, _ = train("adamw", overlap=True, steps=done, gate=gate)
+    gate.close()
+    x, extra = batches(done, 1)[0]
+    model(x.to(torch.bfloat16), use_extra=extra).float().pow(2).mean().backward()
+    off.step()
+    return model, off, gate
+
+
 def test_step_returns_first_and_each_forward_reads_the_new_weights(monkeypatch):
     model, off, _ = train("adamw", overlap=False, steps=3)
     torch.manual_seed(5)
     probe = torch.randn(4, 24).to(torch.bfloat16)
     want = model(probe, use_extra=True)
     off.close()
-    gate = Gate(monkeypatch)
-    model, off, _ = train("adamw", overlap=True, steps=2, gate=gate)
-    gate.close()
-    x, extra = batches(2, 1)[0]
-    model(x.to(torch.bfloat16), use_extra=extra).float().pow(2).mean().backward()
-    off.step()
+    model, off, gate = step_held(monkeypatch, 2)
     assert off._proto.landing and off._pipeline.in_flight  # held: no chunk of this step has run
     assert phase_of(off).name == "IDLE"
     off.zero_grad()  # does not wait
@@ -221,12 +228,7 @@ def test_reads_outside_a_forward_wait_for_the_weights(monkeypatch):
     model, off, _ = train("adamw", overlap=False, steps=2)
     want_model, want_opt = model.state_dict(), off.state_dict()
     off.close()
-    gate = Gate(monkeypatch)
-    model, off, _ = train("adamw", overlap=True, steps=1, gate=gate)
-    gate.close()
-    x, extra = batches(1, 1)[0]
-    model(x.to(torch.bfloat16), use_extra=extra).float().pow(2).mean().backward()
-    off.step()
+    model, off, _ = step_held(monkeypatch, 1)
     got = model.l2.state_dict()  # a hooked module's state_dict waits for every weight
     assert not off._proto.landing
     assert torch.equal(got["weight"], want_model["l2.weight"])
@@ -268,8 +270,7 @@ def test_an_interrupt_while_waiting_leaves_the_run_exact(monkeypatch, where):
     model, off, _ = train("adamw", overlap=False, steps=3)
     want = state_of(model, off)
     off.close()
-    gate = Gate(monkeypatch)
-    model, off, _ = train("adamw", overlap=True, steps=2, gate=gate)
+    model, off, gate = step_held(monkeypatch, 2)
     name = "wait_stepped" if where == "a forward waits" else "drain"
     real, armed = getattr(Pipeline, name), [True]  # Gate's: opens the gate, then waits
 
@@ -280,10 +281,7 @@ def test_an_interrupt_while_waiting_leaves_the_run_exact(monkeypatch, where):
             raise KeyboardInterrupt
         return real(self, *args)
     monkeypatch.setattr(Pipeline, name, interrupted)
-    x, extra = batches(2, 1)[0]
-    gate.close()
-    model(x.to(torch.bfloat16), use_extra=extra).float().pow(2).mean().backward()
-    off.step()
+    x, _ = batches(2, 1)[0]
     wait = (lambda: model(x.to(torch.bfloat16))) if where == "a forward waits" else off.wait_for_weights
     with pytest.raises(KeyboardInterrupt):
         wait()
