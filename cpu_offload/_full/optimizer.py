@@ -117,7 +117,8 @@ class FullCPUOffloadOptimizer(WindowControls, torch.optim.Optimizer):
         keep_fp32: parameters whose compute copy stays fp32.
         pinned_bytes: total size of the two staging rings (default None: 1/8 of the
             gradient bytes, between 512 MiB and 4 GiB; 512 MiB when the host RAM has no
-            room for more).
+            room for more; with ``overlap_forward``, the device-to-host ring grows towards
+            every gradient, within half of the host RAM left: ``options.staging_rings``).
         num_slots: slots per ring (default None: slots of about 256 MiB, at least 4).
         timeout_s: limit for every wait of the pipeline (default 600 s).
         sysfs_root: where sysfs is mounted (for the topology binding).
@@ -202,9 +203,9 @@ class FullCPUOffloadOptimizer(WindowControls, torch.optim.Optimizer):
                                      grad_itemsize=lambda r: 4 if copy_itemsize and id(r.param) in keep
                                      else copy_itemsize)
 
-        def rings(recs, room):
+        def rings(recs, room, backlog=overlap):
             return staging_rings(recs, keep, compute_dtype, pinned_bytes=pinned_bytes, num_slots=num_slots, room=room,
-                                 hold_all=overlap)
+                                 backlog=backlog)
 
         def on_host(on_device):
             moved = {id(r) for r in on_device}
@@ -214,11 +215,11 @@ class FullCPUOffloadOptimizer(WindowControls, torch.optim.Optimizer):
         host_records = on_host(on_device)
         needed = host_needed(host_records)
         available = available_host_ram()  # NOTE: one reading for every sizing decision below
-        slots, slot_bytes = rings(host_records, available - needed)
+        shape = rings(host_records, available - needed)
         reading, why = None, ""
         if gpu_state == "auto":
             margin = device_state.host_margin()
-            shortage = needed + 2 * slots * slot_bytes + margin - available
+            shortage = needed + shape.nbytes + margin - available
             reading = device_state.free_memory(device) if shortage > 0 else None
         if reading is not None:
             # NOTE: the all-host run would not start: put parameters spread over the model on
@@ -230,8 +231,8 @@ class FullCPUOffloadOptimizer(WindowControls, torch.optim.Optimizer):
             # would not fit with the state that the host RAM could not hold: a clear
             # MemoryError now, not an out-of-memory in backward).
             free, total = reading
-            wanted = rings(records, 1 << 62)  # free enough for the rings' default size too
-            shortage = max(shortage, needed + 2 * wanted[0] * wanted[1] + margin - available)
+            wanted = rings(records, 1 << 62, backlog=False)  # free enough for the rings' default size too
+            shortage = max(shortage, needed + wanted.nbytes + margin - available)
             grad_itemsize = 0 if accumulate else compute_dtype.itemsize
             kept_on_device = sum(r.numel for r in records) * grad_itemsize if grad_copy == "device" else 0
             own_grad = 0 if grad_copy == "device" else grad_itemsize
@@ -244,8 +245,8 @@ class FullCPUOffloadOptimizer(WindowControls, torch.optim.Optimizer):
                        f"gradients kept there)")
             host_records = on_host(on_device)
             needed = host_needed(host_records)
-            slots, slot_bytes = rings(host_records, available - needed - margin)
-        check_host_ram(needed, 2 * slots * slot_bytes, available, why)
+            shape = rings(host_records, available - needed - margin)
+        check_host_ram(needed, shape.nbytes, available, why)
 
         self.binding = bind_for(device, sysfs_root)  # before any host state is touched
         self._host = allocate_host_state(host_records, moments=moments, accumulate=accumulate,
@@ -257,8 +258,8 @@ class FullCPUOffloadOptimizer(WindowControls, torch.optim.Optimizer):
         transfer = make_transfer(device)
         # NOTE: the pinned rings are allocated before anything touches the model,
         # so a failed allocation leaves the parameters as they were.
-        d2h = HostRing("d2h", num_slots=slots, slot_bytes=slot_bytes, pin=transfer.pin)
-        h2d = HostRing("h2d", num_slots=slots, slot_bytes=slot_bytes, pin=transfer.pin)
+        d2h = HostRing("d2h", num_slots=shape.d2h_slots, slot_bytes=shape.slot_bytes, pin=transfer.pin)
+        h2d = HostRing("h2d", num_slots=shape.h2d_slots, slot_bytes=shape.slot_bytes, pin=transfer.pin)
         originals: dict = {}
         try:
             originals = cast_to_compute(records, compute_dtype=compute_dtype, keep_fp32=keep)
@@ -267,7 +268,8 @@ class FullCPUOffloadOptimizer(WindowControls, torch.optim.Optimizer):
             self._pipeline = Pipeline(transfer=transfer, algorithm=self._algorithm, d2h=d2h, h2d=h2d,
                                       accumulate=accumulate, timeout_s=float(timeout_s), skip_nonfinite=skip_nonfinite,
                                       copy_grads=grad_copy == "host",
-                                      norm_slots=1 + max(r.index for r in records) if tracking else 0)
+                                      norm_slots=1 + max(r.index for r in records) if tracking else 0,
+                                      forward_order=overlap)
             ref = weakref.ref(self)
             for rec in records:
                 rec.hook = rec.param.register_post_accumulate_grad_hook(

@@ -7,6 +7,7 @@
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 from typing import Optional
 
 import torch
@@ -15,7 +16,7 @@ from cpu_offload._common.checks import check_int
 from cpu_offload.optim import SignSGD
 from cpu_offload._full.packing import align_up
 
-__all__ = ["check_optimizer", "check_options", "check_gpu_state", "staging_rings", "read_hparams"]
+__all__ = ["check_optimizer", "check_options", "check_gpu_state", "staging_rings", "Rings", "read_hparams"]
 
 _UNSUPPORTED_ADAMW = ("amsgrad", "maximize", "capturable", "differentiable")
 
@@ -87,12 +88,26 @@ _MIB = 1 << 20
 # The staging rings by default: 1/8 of the gradient bytes in all (1/16 per direction), between
 # PINNED_MIN and PINNED_MAX, in slots of about SLOT_BYTES.
 PINNED_MIN, PINNED_MAX, SLOT_BYTES = 512 * _MIB, 4096 * _MIB, 256 * _MIB
-PINNED_MAX_HOLD_ALL = 16384 * _MIB
+# With overlap_forward the device-to-host ring grows to hold the backlog, up to this size.
+BACKLOG_MAX = 16384 * _MIB
+
+
+@dataclass(frozen=True)
+class Rings:
+    """The two staging rings' shape: slots of ``slot_bytes`` each."""
+
+    d2h_slots: int
+    h2d_slots: int
+    slot_bytes: int
+
+    @property
+    def nbytes(self) -> int:
+        return (self.d2h_slots + self.h2d_slots) * self.slot_bytes
 
 
 def staging_rings(records, keep: set, compute_dtype, *, pinned_bytes: Optional[int], num_slots: Optional[int],
-                  room: int, hold_all: bool = False) -> tuple[int, int]:
-    """``(num_slots, slot bytes)`` of each of the two staging rings.
+                  room: int, backlog: bool = False) -> Rings:
+    """The staging rings' shape; both have ``num_slots`` slots unless ``backlog``.
 
     ``pinned_bytes=None``: 1/8 of the gradient bytes, between 512 MiB and 4 GiB, or 512 MiB
     when the larger size does not fit in ``room`` (the host RAM left after the state).
@@ -100,26 +115,37 @@ def staging_rings(records, keep: set, compute_dtype, *, pinned_bytes: Optional[i
     smaller than that burst blocks backward until the CPU kernel frees a slot, and the GPU
     then idles (at 14B, 1.9 s of a 3.7 s step with 512 MiB). 1/16 of the gradient bytes per
     direction holds two to three such bursts of the capacity benchmark's models.
-    ``hold_all`` (overlap_forward): rings that hold every gradient, when they fit in half of
-    ``room`` and in PINNED_MAX_HOLD_ALL: backward never waits for a slot, and the chunks the CPU has not
-    stepped when backward ends are stepped during the next forward, in its order.
     ``num_slots=None``: slots of about 256 MiB, at least 4 per ring (so the 512 MiB floor has
     slots of 64 MiB). Small models get small slots: none is larger than all gradients together
     need. NOTE: each chunk costs the worker about 1 ms of Python between two kernel calls
     (issuing its copies, taking the next); 256 MiB slots instead of 64 MiB halved that time at
     8B (docs/full-offload-profile.md, "between two kernel calls").
+    ``backlog`` (overlap_forward, sizes not given): slots of SLOT_BYTES (or all gradients, if
+    smaller), the host-to-device ring as large as by default (at least 4 slots) and the
+    device-to-host ring grown towards every gradient, both rings within half of ``room`` and
+    the device-to-host one within BACKLOG_MAX. What it holds when backward ends is what the
+    CPU steps during the next forward, in its order; one that holds every gradient never
+    blocks backward. NOTE: the host-to-device ring need not grow: a slot is free again once
+    its copy has landed, well within one chunk's kernel.
     """
     grad_bytes = sum(r.numel * (4 if id(r.param) in keep or compute_dtype == torch.float32 else 2) for r in records)
-    held = 2 * align_up(grad_bytes + grad_bytes // 16 + 64 * len(records), 4096)  # 1/16: packing's slack
-    if pinned_bytes is None and hold_all and held <= min(room // 2, PINNED_MAX_HOLD_ALL):
-        pinned_bytes = max(PINNED_MIN, held)
+    all_grads = align_up(grad_bytes + 64 * len(records), 4096)
+    sized = pinned_bytes is not None or num_slots is not None
     if pinned_bytes is None:
         pinned_bytes = min(PINNED_MAX, max(PINNED_MIN, grad_bytes // 8))
         if pinned_bytes > room:
             pinned_bytes = PINNED_MIN
     if num_slots is None:
         num_slots = max(4, pinned_bytes // (2 * SLOT_BYTES))
-    return num_slots, max(4096, min(pinned_bytes // (2 * num_slots), align_up(grad_bytes + 64 * len(records), 4096)))
+    default = Rings(num_slots, num_slots, max(4096, min(pinned_bytes // (2 * num_slots), all_grads)))
+    if not backlog or sized:
+        return default
+    slot = max(4096, min(SLOT_BYTES, all_grads))
+    h2d = max(4, -(-default.h2d_slots * default.slot_bytes // slot))
+    held = align_up(grad_bytes + grad_bytes // 16 + 64 * len(records), 4096)  # 1/16: packing's slack
+    d2h = min(-(-held // slot), BACKLOG_MAX // slot, room // 2 // slot - h2d)
+    grown = Rings(d2h, h2d, slot)
+    return grown if d2h * slot > default.d2h_slots * default.slot_bytes else default
 
 
 # With bf16 moments a rolled-back step is recomputed from the rounded moments: the update

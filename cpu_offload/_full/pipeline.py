@@ -98,15 +98,18 @@ class Pipeline:
         norm_slots: with norm tracking, one more than the largest record index.
         copy_grads: without accumulation, copy each stepped gradient to ``ParamRecord.retained``.
         skip_nonfinite: a non-finite gradient stops the window's remaining steps.
+        forward_order: the worker takes optimizer chunks last-arrived first (``_take``).
     """
 
     def __init__(self, *, transfer, algorithm: str, d2h: HostRing, h2d: HostRing, accumulate: bool, timeout_s: float,
-                 norm_slots: int = 0, skip_nonfinite: bool = False, copy_grads: bool = False) -> None:
+                 norm_slots: int = 0, skip_nonfinite: bool = False, copy_grads: bool = False,
+                 forward_order: bool = False) -> None:
         if d2h.slot_bytes != h2d.slot_bytes:
             raise ValueError("d2h and h2d slots must have the same size")
         self.transfer = transfer
         self.d2h, self.h2d = d2h, h2d
         self.timeout_s = timeout_s
+        self.forward_order = forward_order
         self.stats = collections.Counter()
         self._cv = threading.Condition()
         device_norms = (torch.zeros(norm_slots, dtype=torch.float64, pin_memory=transfer.pin)
@@ -279,17 +282,6 @@ class Pipeline:
                 return True
         return not all(self.transfer.is_done(s.marker) for s in self.h2d.slots)
 
-    def reorder_for_forward(self) -> None:
-        """Step the chunks not begun yet last-arrived first: the order in which the next
-        forward reads their parameters, for a model whose backward mirrors its forward.
-        NOTE: accumulation chunks of earlier passes stay first, in order: the optimizer
-        chunks read the sums they complete."""
-        self._close_open()
-        with self._cv:
-            earlier = [c for c in self._queue if not c.final]
-            final = sorted((c for c in self._queue if c.final), key=lambda c: -c.seq)
-            self._queue = collections.deque(earlier + final)
-
     def read_norms_now(self, recs: list) -> bool:
         """Without accumulation, with norm tracking: set each record's ``grad_sq`` from the
         norm copied from the device (the worker reads the same values later) once every
@@ -410,6 +402,23 @@ class Pipeline:
             self._cv.notify_all()
 
     # --------------------------------------------------------- worker thread
+    def _take(self) -> Chunk:
+        """The next chunk (condition held): the oldest; with ``forward_order``, once only
+        optimizer chunks are queued, the last-arrived one whose gradients have landed (the
+        oldest if none has).
+        NOTE: for a model whose backward mirrors its forward, last-arrived first is the
+        order in which the next forward reads the parameters, and what is left when backward
+        ends is what that forward reads last: the CPU steps it while the forward runs the
+        layers before. Accumulation chunks stay first, in order: the optimizer chunks read
+        the sums they complete, and float sums depend on their order."""
+        queue = self._queue
+        if not self.forward_order or not queue[0].final:
+            return queue.popleft()
+        pick = next((i for i in range(len(queue) - 1, 0, -1) if self.transfer.is_done(queue[i].marker)), 0)
+        chunk = queue[pick]
+        del queue[pick]
+        return chunk
+
     def _run(self) -> None:
         try:
             self.transfer.worker_init()
@@ -421,7 +430,7 @@ class Pipeline:
                     self._cv.wait()
                 if not self._queue:
                     return
-                chunk = self._queue.popleft()
+                chunk = self._take()
                 self._busy = chunk
                 # NOTE: after a failure the rest of the window is skipped (until
                 # ``reset_window``); the pieces of skipped chunks are not counted,

@@ -23,8 +23,8 @@ def finish_window(records, pipeline, transfer, *, zero_fill: bool, device=None, 
     so parameters that hold one but got no gradient are stepped with zeros.
     ``device``: the DeviceState; its records are only marked here (stepped when the
     window closes, device_state.py).
-    ``land=False`` (overlap_forward): queue the rest, chunks not begun yet in the next
-    forward's order, and return; ``land_window`` waits for them later.
+    ``land=False`` (overlap_forward): queue the rest and return (the worker takes the chunks
+    in the next forward's order, ``Pipeline._take``); ``land_window`` waits for them later.
     """
     for rec in records:
         if rec.pieces_total or not (rec.has_accum or (zero_fill and rec.holds_grad)):
@@ -43,7 +43,7 @@ def finish_window(records, pipeline, transfer, *, zero_fill: bool, device=None, 
     if land:
         land_window(records, pipeline, transfer)
     else:
-        pipeline.reorder_for_forward()
+        pipeline.end_backward()
 
 
 def land_window(records, pipeline, transfer) -> None:

@@ -15,7 +15,8 @@ import torch.nn as nn
 from cpu_offload import kernels
 from cpu_offload._full.host_state import ParamRecord
 from cpu_offload._full.optimizer import FullCPUOffloadOptimizer
-from cpu_offload._full.pipeline import Pipeline
+from cpu_offload._full.pipeline import Chunk, Pipeline
+from cpu_offload._full.transfer import HostRing, SyncTransfer
 from helpers import batches, build, phase_of, records_of, staging_rings_of
 
 # Rings that hold every gradient of helpers.Net (12.6 KB), in 8 KiB slots: with the kernels
@@ -222,6 +223,45 @@ def test_the_backlog_is_stepped_in_the_next_forwards_order(monkeypatch):
     # the reordering: 5, 4, 3, 2, 1, 0).
     assert order in ([5, 4, 1, 0, 3, 2], [1, 0, 3, 2, 5, 4])
     off.close()
+
+
+class _Landing(SyncTransfer):
+    """Copies that land when the test says so: a marker is the chunk's name."""
+
+    def __init__(self):
+        super().__init__(torch.device("cpu"))
+        self.landed = set()
+
+    def is_done(self, marker):
+        return marker in self.landed
+
+
+@pytest.mark.parametrize("forward_order", [True, False])
+def test_the_worker_takes_the_last_arrived_optimizer_chunk_that_has_landed(forward_order):
+    ring = dict(num_slots=1, slot_bytes=4096, pin=False)
+    transfer = _Landing()
+    pipeline = Pipeline(transfer=transfer, algorithm="adamw", d2h=HostRing("d2h", **ring),
+                        h2d=HostRing("h2d", **ring), accumulate=True, timeout_s=5.0, forward_order=forward_order)
+
+    def chunk(name, final=True):
+        return Chunk(seq=0, micro=0, final=final, slot=None, hparams=None, marker=name)
+
+    def taken(queue, landed):
+        transfer.landed = set(landed)
+        with pipeline._cv:  # NOTE: held, so the idle worker cannot take them
+            pipeline._queue.extend(chunk(n, final=not n.startswith("acc")) for n in queue)
+            names = [pipeline._take().marker for _ in queue]
+        return names
+
+    order = ["acc1", "acc2", "a", "b", "c"]
+    if forward_order:
+        # accumulation chunks first, in order; then the last-arrived landed, else the oldest
+        assert taken(order, landed=["a", "b"]) == ["acc1", "acc2", "b", "a", "c"]
+        assert taken(["a", "b", "c"], landed=[]) == ["a", "b", "c"]
+        assert taken(["a", "b", "c"], landed=["a", "b", "c"]) == ["c", "b", "a"]
+    else:
+        assert taken(order, landed=["a", "b"]) == order
+    pipeline.close()
 
 
 def test_reads_outside_a_forward_wait_for_the_weights(monkeypatch):

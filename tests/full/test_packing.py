@@ -78,18 +78,45 @@ def _rings(numels, **kw):
 
 
 def test_default_rings_grow_with_the_gradient_bytes_in_256_mib_slots():
+    from cpu_offload._full.options import Rings
+
     mib = 1 << 20
     # a 14B model in 44 blocks of bf16 gradients: 1/8 of 28.6 GB, in slots of about 256 MiB
-    slots, slot = _rings([325_000_000] * 44, pinned_bytes=None, num_slots=None, room=1 << 40)
-    assert 2 * slots * slot <= 44 * 325_000_000 * 2 // 8 and slots == 6 and 256 * mib <= slot < 512 * mib
+    r = _rings([325_000_000] * 44, pinned_bytes=None, num_slots=None, room=1 << 40)
+    assert r.nbytes <= 44 * 325_000_000 * 2 // 8 and r.d2h_slots == r.h2d_slots == 6
+    assert 256 * mib <= r.slot_bytes < 512 * mib
     # a 1B model: the 512 MiB floor, 4 slots of 64 MiB, as before
-    assert _rings([10_000_000] * 95, pinned_bytes=None, num_slots=None, room=1 << 40) == (4, 64 * mib)
+    assert _rings([10_000_000] * 95, pinned_bytes=None, num_slots=None, room=1 << 40) == Rings(4, 4, 64 * mib)
     # no room in host RAM for the larger rings: the floor
-    assert _rings([325_000_000] * 44, pinned_bytes=None, num_slots=None, room=1 << 30) == (4, 64 * mib)
+    assert _rings([325_000_000] * 44, pinned_bytes=None, num_slots=None, room=1 << 30) == Rings(4, 4, 64 * mib)
     # a 70B model: capped at 4 GiB
-    slots, slot = _rings([1_000_000_000] * 70, pinned_bytes=None, num_slots=None, room=1 << 40)
-    assert 2 * slots * slot == 4096 * mib and slot == 256 * mib
+    r = _rings([1_000_000_000] * 70, pinned_bytes=None, num_slots=None, room=1 << 40)
+    assert r.nbytes == 4096 * mib and r.slot_bytes == 256 * mib
     # given sizes are kept; small models get slots no larger than all their gradients
-    assert _rings([325_000_000] * 44, pinned_bytes=1024 * mib, num_slots=None, room=0) == (4, 128 * mib)
-    assert _rings([325_000_000] * 44, pinned_bytes=1024 * mib, num_slots=2, room=0) == (2, 256 * mib)
-    assert _rings([1000], pinned_bytes=None, num_slots=None, room=1 << 40) == (4, 4096)
+    assert _rings([325_000_000] * 44, pinned_bytes=1024 * mib, num_slots=None, room=0) == Rings(4, 4, 128 * mib)
+    assert _rings([325_000_000] * 44, pinned_bytes=1024 * mib, num_slots=2, room=0) == Rings(2, 2, 256 * mib)
+    assert _rings([1000], pinned_bytes=None, num_slots=None, room=1 << 40) == Rings(4, 4, 4096)
+
+
+def test_a_backlog_grows_only_the_device_to_host_ring_within_half_of_the_room():
+    from cpu_offload._full.options import BACKLOG_MAX, Rings
+
+    mib, gib = 1 << 20, 1 << 30
+    # 0.95B of bf16 gradients (1.9 GB): every gradient with its packing slack, in 256 MiB
+    # slots; the host-to-device ring keeps its 512 MiB default bytes, at least 4 slots
+    grads = 95 * 10_000_000 * 2
+    r = _rings([10_000_000] * 95, pinned_bytes=None, num_slots=None, room=1 << 40, backlog=True)
+    assert r.slot_bytes == 256 * mib and r.h2d_slots == 4
+    assert grads + grads // 16 <= r.d2h_slots * r.slot_bytes < grads + grads // 16 + r.slot_bytes
+    # 14B (28.6 GB of gradients) with 14 GiB left: the two rings fill half of it
+    r = _rings([325_000_000] * 44, pinned_bytes=None, num_slots=None, room=14 * gib, backlog=True)
+    default = _rings([325_000_000] * 44, pinned_bytes=None, num_slots=None, room=14 * gib)
+    assert r.h2d_slots * r.slot_bytes >= default.h2d_slots * default.slot_bytes
+    assert 7 * gib - r.slot_bytes < r.nbytes <= 7 * gib and r.d2h_slots > default.d2h_slots
+    # 70B with room to spare: BACKLOG_MAX
+    r = _rings([1_000_000_000] * 70, pinned_bytes=None, num_slots=None, room=1 << 40, backlog=True)
+    assert r.d2h_slots * r.slot_bytes == BACKLOG_MAX
+    # too little room to grow, or sizes given: the default rings
+    for kw in (dict(pinned_bytes=None, num_slots=None, room=gib), dict(pinned_bytes=1024 * mib, num_slots=None,
+                                                                       room=1 << 40)):
+        assert _rings([325_000_000] * 44, backlog=True, **kw) == _rings([325_000_000] * 44, **kw)
