@@ -99,7 +99,7 @@ def test_default_rings_grow_with_the_gradient_bytes_in_256_mib_slots():
 
 
 def test_a_backlog_grows_only_the_device_to_host_ring_within_half_of_the_room():
-    from cpu_offload._full.options import BACKLOG_MAX, Rings
+    from cpu_offload._full.options import BACKLOG_MAX
 
     mib, gib = 1 << 20, 1 << 30
     # 0.95B of bf16 gradients (1.9 GB): every gradient with its packing slack, in 256 MiB
