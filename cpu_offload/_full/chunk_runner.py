@@ -115,6 +115,9 @@ class ChunkRunner:
         # this the runner starts afresh instead of making every call miss.
         self._plan_limit = kernels.CACHE_ENTRIES // 4
         self.phase = ""
+        # a compute_marker the copies to the device wait for instead of a fresh one
+        # (Pipeline.end_backward), or None
+        self.after = None
         self.reset_window()
 
     def reset_window(self) -> None:
@@ -186,7 +189,7 @@ class ChunkRunner:
                 # GIL these calls need.
                 self.phase = "issuing h2d copies"
                 copies = [(c.rec.local().detach().view(-1)[c.start : c.start + c.numel], c.out) for c in plan.copies]
-                out_slot.marker = self.transfer.h2d_copies(copies)
+                out_slot.marker = self.transfer.h2d_copies(copies, self.after)
                 # NOTE: counted after the copies are issued: from here on the master,
                 # the moments and (once the copy lands) the compute copy are the new ones.
                 for p in chunk.pieces:

@@ -184,6 +184,7 @@ class Pipeline:
     def begin_backward(self, *, micro: int, final: bool, hparams: Optional[list], speculative: bool = False,
                        deferred: bool = False) -> None:
         self._cur = Pass(micro, final, hparams, speculative, deferred)
+        self._runner.after = None
 
     def stage_grad(self, rec: ParamRecord, grad: torch.Tensor, *, add: bool) -> None:
         """Stage the flat gradient ``grad`` of ``rec`` into the open chunk(s)."""
@@ -270,9 +271,15 @@ class Pipeline:
         self.transfer.compute_waits_for_h2d()
         self.raise_error()
 
-    def end_backward(self) -> None:
-        """Queue the open chunk."""
+    def end_backward(self, *, forward_next: bool = False) -> None:
+        """Queue the open chunk. ``forward_next`` (overlap_forward): the next forward may run
+        before the queued chunks: their copies to the device wait for the compute stream only
+        up to here, not for that forward's kernels.
+        NOTE: a forward kernel reading one of their parameters is queued after its module's
+        pre-hook waited for the step (forward_overlap.py), and so after the copy."""
         self._close_open()
+        if forward_next:
+            self._runner.after = self.transfer.compute_marker()
 
     @property
     def in_flight(self) -> bool:

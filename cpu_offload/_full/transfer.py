@@ -133,7 +133,11 @@ class CudaTransfer:
     def d2h_marker(self) -> Any:
         return self.d2h_stream.record_event()
 
-    def h2d_copies(self, copies: list) -> Any:
+    def compute_marker(self) -> Any:
+        """An event after everything queued so far on the compute stream."""
+        return self.compute_stream.record_event()
+
+    def h2d_copies(self, copies: list, after: Any = None) -> Any:
         """Issue ``dst.copy_(src)`` for each pair on the H2D stream (worker thread).
 
         NOTE: the copies wait for everything queued on the compute stream so far,
@@ -141,9 +145,10 @@ class CudaTransfer:
         still reads the old weights (a weight also used through ``.detach()``)
         finishes first, and one launched after this call sees the bumped version
         counter, so autograd reports it instead of reading torn weights.
+        ``after`` (a ``compute_marker``): wait for that point of the compute stream instead.
         """
         with torch.cuda.device(self.device), torch.cuda.stream(self.h2d_stream):
-            self.h2d_stream.wait_event(self.compute_stream.record_event())
+            self.h2d_stream.wait_event(after if after is not None else self.compute_stream.record_event())
             for dst, src in copies:
                 dst.copy_(src, non_blocking=True)
             return self.h2d_stream.record_event()
@@ -186,7 +191,10 @@ class SyncTransfer:
     def d2h_marker(self) -> Any:
         return None
 
-    def h2d_copies(self, copies: list) -> Any:
+    def compute_marker(self) -> Any:
+        return None
+
+    def h2d_copies(self, copies: list, after: Any = None) -> Any:
         for dst, src in copies:
             dst.copy_(src)
         return None

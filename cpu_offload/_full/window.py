@@ -43,7 +43,7 @@ def finish_window(records, pipeline, transfer, *, zero_fill: bool, device=None, 
     if land:
         land_window(records, pipeline, transfer)
     else:
-        pipeline.end_backward()
+        pipeline.end_backward(forward_next=True)
 
 
 def land_window(records, pipeline, transfer) -> None:

@@ -318,10 +318,10 @@ def test_the_worker_issues_a_chunks_weight_copies_before_it_frees_the_chunks_gra
     transfer, runner = worker_parts_of(off)
     real_copies, real_release = transfer.h2d_copies, runner._release
 
-    def slow_copies(copies):
+    def slow_copies(copies, after=None):
         time.sleep(0.02)
         order.append("copies issued")
-        return real_copies(copies)
+        return real_copies(copies, after)
 
     def release(chunk):
         if chunk.slot is not None and chunk.slot.owner == chunk.seq:
