@@ -344,7 +344,8 @@ def test_the_weights_the_step_wrote_are_not_taken_for_the_users(monkeypatch, hel
         return real(records)
     monkeypatch.setattr(full_optimizer, "adopt_external_weights", counting)
     _, off, landing = train("adamw", overlap=True, steps=5, gate=Gate(monkeypatch) if held else None)
-    assert changed == [0] * 5 and (landing == 5 if held else True)
+    assert changed == [0] * 5
+    assert not held or landing == 5  # held: every step() returned with its window in flight
     off.close()
 
 
