@@ -12,6 +12,7 @@
 
 from __future__ import annotations
 
+import array
 import collections
 import math
 import time
@@ -56,7 +57,8 @@ class _OptimizerCall(NamedTuple):
     grads: list
     exp_avgs: list
     exp_avg_sqs: list
-    steps: torch.Tensor  # int64, refilled with the records' counts before each call
+    counts: array.array  # the memory of ``steps``, refilled with the records' counts before each call
+    steps: torch.Tensor  # int64
     outs: list  # the compute copies' views in the h2d slot
 
 
@@ -65,6 +67,7 @@ class _ComputeCopy(NamedTuple):
     start: int
     numel: int
     out: torch.Tensor  # its view in the h2d slot
+    shaped: Optional[torch.Tensor]  # a piece of the whole parameter: ``out`` in its shape, else None
 
 
 @dataclass(eq=False)
@@ -171,7 +174,8 @@ class ChunkRunner:
                 if self.algorithm == "adamw":
                     # steps hold the counts before this step; the kernel increments
                     # them and uses step+1 in the bias corrections, like torch.
-                    call.steps.copy_(torch.tensor([r.step for r in call.recs], dtype=torch.int64))
+                    for i, r in enumerate(call.recs):
+                        call.counts[i] = r.step
                     kernels.adamw_step(call.params, call.grads, call.exp_avgs, call.exp_avg_sqs, call.steps,
                                        lr=hp["lr"], beta1=hp["beta1"], beta2=hp["beta2"], eps=hp["eps"],
                                        weight_decay=hp["weight_decay"], grad_scale=hp["grad_scale"],
@@ -188,8 +192,7 @@ class ChunkRunner:
                 # gradient hook waiting for a slot, and the main thread would then hold the
                 # GIL these calls need.
                 self.phase = "issuing h2d copies"
-                copies = [(c.rec.local().detach().view(-1)[c.start : c.start + c.numel], c.out) for c in plan.copies]
-                out_slot.marker = self.transfer.h2d_copies(copies, self.after)
+                out_slot.marker = self.transfer.h2d_copies(*self._copy_lists(plan), self.after)
                 # NOTE: counted after the copies are issued: from here on the master,
                 # the moments and (once the copy lands) the compute copy are the new ones.
                 for p in chunk.pieces:
@@ -209,6 +212,28 @@ class ChunkRunner:
         finally:
             if out_slot is not None:
                 out_slot.owner = None
+
+    @staticmethod
+    def _copy_lists(plan: _Plan) -> tuple:
+        """The destinations of a chunk's compute copies, looked up now (``ParamRecord.local``),
+        and their sources.
+
+        NOTE: the worker holds the GIL only between native calls, and each torch call that
+        drops it waits to get it back while the training thread runs Python (up to the
+        interpreter's 5 ms switch interval, in the next forward with ``overlap_forward``). A
+        piece that is its whole parameter is therefore copied into the tensor itself, from a
+        view shaped at planning time, with no view op: most chunks then cost one such call
+        for all their copies (``h2d_copies``)."""
+        dsts, srcs = [], []
+        for c in plan.copies:
+            local = c.rec.local()
+            if c.shaped is not None and local.shape == c.shaped.shape:
+                dsts.append(local)
+                srcs.append(c.shaped)
+            else:
+                dsts.append(local.detach().view(-1)[c.start : c.start + c.numel])
+                srcs.append(c.out)
+        return dsts, srcs
 
     def _hold_back(self, chunk) -> bool:
         """Whether this chunk (and the window's later ones) waits for the final factor:
@@ -239,12 +264,15 @@ class ChunkRunner:
     def _read_norms(self, chunk) -> None:
         """Each piece's gradient norm: from the device's per-parameter norm, or of the
         host accumulator (which now holds the window's sum); sets ``nonfinite``."""
+        # NOTE: one read of every norm for the whole chunk, not one tensor read per piece
+        # (each would drop and retake the GIL: _copy_lists).
+        device_norms = None if self.accumulate else self.device_norms.tolist()
         for p in chunk.pieces:
             if self.accumulate:
                 n = float(torch.linalg.vector_norm(p.rec.accum[p.start : p.start + p.numel], dtype=torch.float64))
                 p.rec.grad_sq += n * n
             else:
-                n = float(self.device_norms[p.rec.index])
+                n = device_norms[p.rec.index]
                 p.rec.grad_sq = n * n
             if not math.isfinite(n):
                 self.nonfinite = True
@@ -295,12 +323,17 @@ class ChunkRunner:
                 m.append(p.rec.exp_avg[p.start : end])
                 v.append(p.rec.exp_avg_sq[p.start : end])
             outs.append(out)
-            copies.append(_ComputeCopy(p.rec, p.start, p.numel, out))
+            local = p.rec.local()
+            whole = p.start == 0 and p.numel == local.numel()
+            copies.append(_ComputeCopy(p.rec, p.start, p.numel, out, out.view(local.shape) if whole else None))
         if out_off > (0 if out_slot is None else out_slot.nbytes):
             raise AssertionError(f"compute copies of {chunk.describe()} overflow the h2d slot")
         accumulate_calls = [_AccumulateCall(a, g, add) for (add, _), (a, g) in accum.items()]
-        optimizer_calls = [
-            _OptimizerCall(group, recs, params, grads, m, v, torch.zeros(len(recs), dtype=torch.int64), outs)
-            for (group, _, _), (recs, params, grads, m, v, outs) in opt.items()
-        ]
+        optimizer_calls = []
+        for (group, _, _), (recs, params, grads, m, v, outs) in opt.items():
+            counts = array.array("q", bytes(8 * len(recs)))
+            # NOTE: the step counts are written through ``counts`` in Python: filling the
+            # tensor with a torch call would drop the GIL (_copy_lists)
+            steps = torch.frombuffer(counts, dtype=torch.int64)
+            optimizer_calls.append(_OptimizerCall(group, recs, params, grads, m, v, counts, steps, outs))
         return _Plan(accumulate_calls, retain_copies, optimizer_calls, copies, h2d_bytes)

@@ -297,8 +297,9 @@ class Pipeline:
         marker = self.transfer.d2h_marker()
         wait_until(lambda: self.transfer.is_done(marker), timeout_s=self.timeout_s, what="the gradient copies",
                    diagnose=self.diagnose)
+        norms = self._runner.device_norms.tolist()  # NOTE: one read, not one per record (GIL)
         for rec in recs:
-            n = float(self._runner.device_norms[rec.index])
+            n = norms[rec.index]
             rec.grad_sq = n * n
         return any(not math.isfinite(rec.grad_sq) for rec in recs) or self._runner.could_overflow(recs, self._cur)
 

@@ -137,8 +137,8 @@ class CudaTransfer:
         """An event after everything queued so far on the compute stream."""
         return self.compute_stream.record_event()
 
-    def h2d_copies(self, copies: list, after: Any = None) -> Any:
-        """Issue ``dst.copy_(src)`` for each pair on the H2D stream (worker thread).
+    def h2d_copies(self, dsts: list, srcs: list, after: Any = None) -> Any:
+        """Issue ``dsts[i].copy_(srcs[i])`` on the H2D stream (worker thread, ``worker_init``).
 
         NOTE: the copies wait for everything queued on the compute stream so far,
         not only up to the gradient's hook: a kernel launched after the hook that
@@ -146,12 +146,13 @@ class CudaTransfer:
         finishes first, and one launched after this call sees the bumped version
         counter, so autograd reports it instead of reading torn weights.
         ``after`` (a ``compute_marker``): wait for that point of the compute stream instead.
+        NOTE: one ``_foreach_copy_`` for the chunk: each torch call drops and retakes the GIL
+        (chunk_runner.ChunkRunner._copy_lists).
         """
-        with torch.cuda.device(self.device), torch.cuda.stream(self.h2d_stream):
-            self.h2d_stream.wait_event(after if after is not None else self.compute_stream.record_event())
-            for dst, src in copies:
-                dst.copy_(src, non_blocking=True)
-            return self.h2d_stream.record_event()
+        self.h2d_stream.wait_event(after if after is not None else self.compute_stream.record_event())
+        if dsts:
+            torch._foreach_copy_(dsts, srcs, non_blocking=True)
+        return self.h2d_stream.record_event()
 
     @staticmethod
     def is_done(marker: Any) -> bool:
@@ -168,7 +169,12 @@ class CudaTransfer:
         self.h2d_stream.synchronize()
 
     def worker_init(self) -> None:
+        """Called once on the worker thread: its device, and its current stream the H2D one.
+
+        NOTE: the worker's only device work is the copies of ``h2d_copies`` (and events), so its
+        current stream stays the H2D stream: no stream or device context per chunk."""
         torch.cuda.set_device(self.device)
+        torch.cuda.set_stream(self.h2d_stream)
 
 
 class SyncTransfer:
@@ -194,9 +200,9 @@ class SyncTransfer:
     def compute_marker(self) -> Any:
         return None
 
-    def h2d_copies(self, copies: list, after: Any = None) -> Any:
-        for dst, src in copies:
-            dst.copy_(src)
+    def h2d_copies(self, dsts: list, srcs: list, after: Any = None) -> Any:
+        if dsts:
+            torch._foreach_copy_(dsts, srcs)
         return None
 
     @staticmethod

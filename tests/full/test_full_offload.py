@@ -307,6 +307,28 @@ def test_step_blocked_counts_the_tail_after_backward(monkeypatch):
     assert off.stats()["kernel_s"] >= 0.05 * off.stats()["chunks"]
 
 
+def test_each_step_writes_the_new_weights_into_the_parameters_storage_of_that_step():
+    # A chunk layout's plan is reused from step to step; the destination of its weight
+    # copies is looked up each time (whole parameters, and pieces of l2's weight, which
+    # SMALL's slots split): a
+    # parameter given new storage between steps receives the next step's weights there.
+    model, opt = build("adamw")
+    off = FullCPUOffloadOptimizer(opt, **SMALL)
+    recs = named(model, off)
+    for _ in range(3):
+        model(torch.randn(2, 24, dtype=torch.bfloat16)).float().sum().backward()
+        off.step()
+        off.zero_grad()
+        for p in model.parameters():
+            p.data = p.data.clone()
+    model(torch.randn(2, 24, dtype=torch.bfloat16)).float().sum().backward()
+    off.step()
+    for n, rec in recs.items():
+        assert rec.step == (0 if n in ("unused", "extra") else 4), n
+        assert torch.equal(rec.param.detach(), rec.master.view(rec.shape).to(torch.bfloat16)), n
+    off.close()
+
+
 def test_the_worker_issues_a_chunks_weight_copies_before_it_frees_the_chunks_gradient_slot(monkeypatch):
     # Freeing the slot wakes a gradient hook waiting for one, and the main thread would then
     # hold the GIL the worker needs to issue the copies: the worker issues them first.
@@ -318,10 +340,10 @@ def test_the_worker_issues_a_chunks_weight_copies_before_it_frees_the_chunks_gra
     transfer, runner = worker_parts_of(off)
     real_copies, real_release = transfer.h2d_copies, runner._release
 
-    def slow_copies(copies, after=None):
+    def slow_copies(dsts, srcs, after=None):
         time.sleep(0.02)
         order.append("copies issued")
-        return real_copies(copies, after)
+        return real_copies(dsts, srcs, after)
 
     def release(chunk):
         if chunk.slot is not None and chunk.slot.owner == chunk.seq:
