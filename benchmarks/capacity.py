@@ -42,6 +42,7 @@
 #   8b        4096        32       32    14336   8.05 B
 #   14b       5120        44       40    13824  14.28 B
 #   20b       6144        44       48    16384  20.33 B
+#   21b       6144        46       48    16384  21.23 B
 #   22b       6144        48       48    16384  22.14 B
 #   tiny-a..c   64      2..4        4      128   CPU plumbing checks (vocab 256)
 #
@@ -97,12 +98,13 @@ CONFIGS = {
     "8b": dict(_LLAMA, d_model=4096, n_layers=32, n_heads=32, ffn_dim=14336),
     "14b": dict(_LLAMA, d_model=5120, n_layers=44, n_heads=40, ffn_dim=13824),
     "20b": dict(_LLAMA, d_model=6144, n_layers=44, n_heads=48, ffn_dim=16384),
+    "21b": dict(_LLAMA, d_model=6144, n_layers=46, n_heads=48, ffn_dim=16384),
     "22b": dict(_LLAMA, d_model=6144, n_layers=48, n_heads=48, ffn_dim=16384),
     "tiny-a": dict(vocab_size=256, d_model=64, n_layers=2, n_heads=4, ffn_dim=128),
     "tiny-b": dict(vocab_size=256, d_model=64, n_layers=3, n_heads=4, ffn_dim=128),
     "tiny-c": dict(vocab_size=256, d_model=64, n_layers=4, n_heads=4, ffn_dim=128),
 }
-CONFIG_SETS = {"llama": ("1b", "3b", "8b", "14b", "20b", "22b"), "tiny": ("tiny-a", "tiny-b", "tiny-c")}
+CONFIG_SETS = {"llama": ("1b", "3b", "8b", "14b", "20b", "21b", "22b"), "tiny": ("tiny-a", "tiny-b", "tiny-c")}
 
 OK, NO_FIT, TIMED_OUT, ERROR, NOT_TRIED = "ok", "does not fit", "timed out", "error", "not tried"
 
