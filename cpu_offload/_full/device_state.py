@@ -67,20 +67,19 @@ def choose_device_records(records: list, budget: int, per_element: int) -> list:
     return chosen
 
 
-def records_to_free_host(records: list, shortage: int, host_bytes, device_bytes, room: int) -> list:
+def records_to_free_host(records: list, shortage: int, host_bytes) -> Optional[list]:
     """Records spread evenly over ``records``' order whose host bytes add up to at least
-    ``shortage``, when their device bytes fit in ``room``; [] when they do not (the host RAM
-    check then fails as before). A record is taken while the bytes freed are behind the
-    shortage's share of the host bytes walked so far: at the end they cover it."""
+    ``shortage``; None when all of them together do not. A record is taken while the bytes
+    freed are behind the shortage's share of the host bytes walked so far: at the end they
+    cover it."""
     total = sum(host_bytes(rec) for rec in records)
-    chosen, freed, seen, cost = [], 0, 0, 0
+    chosen, freed, seen = [], 0, 0
     for rec in records:
         seen += host_bytes(rec)
         if freed * total < shortage * seen:
             chosen.append(rec)
             freed += host_bytes(rec)
-            cost += device_bytes(rec)
-    return chosen if freed >= shortage and cost <= room else []
+    return chosen if freed >= shortage else None
 
 
 # gpu_state="auto": the windows whose peak memory is observed before the split settles.
