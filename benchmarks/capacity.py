@@ -69,6 +69,7 @@ import signal
 import statistics
 import sys
 import time
+import traceback
 from pathlib import Path
 from typing import Callable, Optional
 
@@ -186,6 +187,8 @@ def worker(cfg: dict) -> dict:
         return dict(base, **_train(ex, cfg, device))
     except Exception as exc:  # noqa: BLE001 - reported, not raised: the parent decides
         status = NO_FIT if _does_not_fit(exc) else ERROR
+        if status == ERROR:  # the whole story on stderr: the table keeps one line
+            traceback.print_exc()
         message = f"{type(exc).__name__}: {str(exc).strip().splitlines()[0] if str(exc).strip() else ''}"
         return dict(base, status=status, error=message[:500], peak_host_rss_gib=_peak_rss_gib())
 
