@@ -36,10 +36,15 @@ def check_norm_type(norm_type) -> float:
 
 
 def _shard_groups(rec) -> tuple:
+    """The groups of more than one rank that ``rec``'s gradient is sharded over. NOTE: a group
+    of one rank has nothing to reduce, and on one GPU its first NCCL collective would set up
+    the communicator at the end of backward, where the device is fullest (at 21B it failed to
+    allocate 4 bytes)."""
     if not rec.is_dtensor:
         return ()
     mesh = rec.param.device_mesh
-    return tuple(mesh.get_group(d) for d, placement in enumerate(rec.param.placements) if placement.is_shard())
+    groups = (mesh.get_group(d) for d, placement in enumerate(rec.param.placements) if placement.is_shard())
+    return tuple(g for g in groups if dist.get_world_size(g) > 1)
 
 
 def total_norm(local_norms, norm_type: float) -> float:

@@ -224,23 +224,27 @@ class FullCPUOffloadOptimizer(WindowControls, torch.optim.Optimizer):
         if reading is not None:
             # NOTE: the all-host run would not start: put parameters spread over the model on
             # the device that make the host state fit, if the device has room for them now;
-            # then size the rings for what stays on the host. The device's room is what it
-            # has free less the margin and less every gradient the window keeps on it at the
-            # end of backward: a device parameter's own (its step reads it when the window
-            # closes) and, with grad_copy="device", each host parameter's too (at 22B they
-            # would not fit with the state that the host RAM could not hold: a clear
-            # MemoryError now, not an out-of-memory in backward).
+            # then size the rings for what stays on the host. The host is to keep room for the
+            # rings' default size; when the device cannot take that much state, for the
+            # smallest rings (backward may then wait for a slot: at 21B the default rings'
+            # 3.5 GiB more did not fit). The device's room is what it has free less the
+            # margin and less every gradient the window keeps on it at the end of backward: a
+            # device parameter's own (its step reads it when the window closes) and, with
+            # grad_copy="device", each host parameter's too (at 22B they would not fit with
+            # the state that the host RAM could not hold: a clear MemoryError now, not an
+            # out-of-memory in backward).
             free, total = reading
-            wanted = rings(records, 1 << 62, backlog=False)  # free enough for the rings' default size too
-            shortage = max(shortage, needed + wanted.nbytes + margin - available)
+            default, smallest = (rings(records, room, backlog=False).nbytes for room in (1 << 62, 0))
             grad_itemsize = 0 if accumulate else compute_dtype.itemsize
             kept_on_device = sum(r.numel for r in records) * grad_itemsize if grad_copy == "device" else 0
             own_grad = 0 if grad_copy == "device" else grad_itemsize
             room = free - auto_margin(total) - kept_on_device
-            chosen = records_to_free_host(records, shortage, lambda r: host_needed([r]))
-            cost = None if chosen is None else sum(r.numel * (per_element + own_grad) for r in chosen)
-            if cost is not None and cost <= room:
-                on_device = chosen
+            for short in dict.fromkeys(needed + ring + margin - available for ring in (default, smallest)):
+                chosen = records_to_free_host(records, short, lambda r: host_needed([r]))
+                cost = None if chosen is None else sum(r.numel * (per_element + own_grad) for r in chosen)
+                if cost is not None and cost <= room:
+                    on_device = chosen
+                    break
             else:
                 why = ("; gpu_state='auto' cannot help: the host RAM falls short even with every parameter's state "
                        "on the device") if cost is None else (

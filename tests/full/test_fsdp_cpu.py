@@ -100,6 +100,25 @@ def clip_worker(out_dir):
     dist.destroy_process_group()
 
 
+def single_rank_clip_worker(out_dir):
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from cpu_offload import offload_optimizer
+
+    dist.init_process_group("gloo")
+    model = _shard(make_model(), init_device_mesh("cpu", (1,)))
+    reduced = []
+    real = dist.all_reduce
+    dist.all_reduce = lambda *args, **kwargs: reduced.append(1) or real(*args, **kwargs)
+    opt = offload_optimizer(make_opt(model), offload="full", grad_accum_steps=ACCUM, pinned_bytes=1 << 15, num_slots=2)
+    norms = train(model, opt, range(STEPS), clip=CLIP / 5)
+    masters = {i: e["master"].full_tensor() for i, e in opt.state_dict()["state"].items()}
+    torch.save({"norms": norms, "all_reduces": len(reduced), "masters": masters}, os.path.join(out_dir, "one.pt"))
+    opt.close()
+    dist.destroy_process_group()
+
+
 def _shard(model, mesh):
     from torch.distributed.fsdp import fully_shard
 
@@ -286,6 +305,23 @@ def test_fsdp2_clipping_and_nan_on_one_rank(tmp_path):
     opt.close()
 
 
+def test_fsdp2_on_one_rank_clips_without_a_collective(tmp_path):
+    # On one GPU the first NCCL collective sets up its communicator: at the end of backward,
+    # where the device is fullest, it failed to allocate at 21B. One rank has nothing to reduce.
+    from cpu_offload import offload_optimizer
+
+    _run_workers("--single-rank-clip-worker", tmp_path, world=1)
+    result = torch.load(tmp_path / "one.pt")
+    assert result["all_reduces"] == 0
+    model = make_model()
+    opt = offload_optimizer(make_opt(model), offload="full", grad_accum_steps=ACCUM, pinned_bytes=1 << 15, num_slots=2)
+    assert train(model, opt, range(STEPS), clip=CLIP / 5) == result["norms"]
+    assert min(result["norms"]) > CLIP / 5  # every step clipped
+    for i, e in opt.state_dict()["state"].items():
+        assert torch.equal(e["master"], result["masters"][i]), i
+    opt.close()
+
+
 def test_fsdp2_variable_windows_match_torch_adamw(tmp_path):
     from cpu_offload import offload_optimizer
 
@@ -374,7 +410,7 @@ def test_fsdp2_overlap_forward_equals_one_process_without(tmp_path):
 
 
 WORKERS = {"--worker": worker, "--clip-worker": clip_worker, "--window-worker": window_worker,
-           "--overlap-worker": overlap_worker}
+           "--overlap-worker": overlap_worker, "--single-rank-clip-worker": single_rank_clip_worker}
 
 if __name__ == "__main__" and sys.argv[1:2] and sys.argv[1] in WORKERS:
     import traceback

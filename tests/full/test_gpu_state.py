@@ -307,8 +307,53 @@ def test_auto_sizes_the_staging_rings_for_the_parameters_left_on_the_host(monkey
     model, opt = build("adamw")
     off = FullCPUOffloadOptimizer(opt, gpu_state="auto", **SMALL)
     host = [r for r in records_of(off) if not r.on_device]
-    assert len(host) < len(records_of(off)) and len(calls) == 3
+    assert len(host) < len(records_of(off)) and len(calls) == 4
     assert calls[0][1] == 0  # before the move: no room
-    assert calls[1][1] == 1 << 62  # their default size, which the move frees room for
-    assert calls[2][0] == host and calls[2][1] == needed - host_bytes_of(off) - 100  # after it: what was freed
+    assert calls[1][1] == 1 << 62 and calls[2][1] == 0  # their default and smallest sizes
+    assert calls[3][0] == host and calls[3][1] == needed - host_bytes_of(off) - 100  # after the move: what it freed
     off.close()
+
+
+def test_auto_falls_back_to_the_smallest_rings_when_the_device_cannot_take_the_state_for_the_default(monkeypatch):
+    # At 21B the host could keep room for the default rings only with more state on the
+    # device than it had room for: the smallest rings leave the device less to take.
+    from cpu_offload._full import host_state, optimizer as optimizer_module
+    from cpu_offload._full.options import Rings
+
+    model, opt = build("adamw")
+    full = FullCPUOffloadOptimizer(opt, **SMALL)
+    needed = host_bytes_of(full)
+    kept = sum(r.numel for r in records_of(full)) * 2  # every bf16 gradient, kept on the device
+    full.close()
+    small, large = Rings(2, 2, 4096), Rings(2, 2, 16384)  # 16 KiB and 64 KiB
+    short = 19_000
+    for module in (host_state, optimizer_module):
+        monkeypatch.setattr(module, "available_host_ram", lambda: needed + small.nbytes - short)
+    monkeypatch.setattr(device_state, "host_margin", lambda: 0)
+    sized = []
+    monkeypatch.setattr(optimizer_module, "staging_rings", lambda recs, *a, room, **kw: sized.append(
+        large if room >= large.nbytes else small) or sized[-1])
+
+    def construct(free):
+        monkeypatch.setattr(device_state, "free_memory", lambda device: (free, 8 * GIB))
+        sized.clear()
+        model, opt = build("adamw")
+        off = FullCPUOffloadOptimizer(opt, gpu_state="auto", **SMALL)
+        on_device = [r.name for r in records_of(off) if r.on_device]
+        cost = sum(r.numel * 12 for r in records_of(off) if r.on_device)
+        freed = needed - host_bytes_of(off)
+        off.close()
+        return on_device, cost, freed, sized[-1]
+
+    roomy, roomy_cost, roomy_freed, roomy_rings = construct(8 * GIB)
+    assert roomy_rings == large and roomy_freed >= short + large.nbytes - small.nbytes
+    monkeypatch.setattr(optimizer_module, "staging_rings", lambda recs, *a, room, **kw: sized.append(small) or small)
+    tight, tight_cost, tight_freed, _ = construct(8 * GIB)  # what the smallest rings need moved
+    assert tight_freed >= short and tight_cost < roomy_cost
+    monkeypatch.setattr(optimizer_module, "staging_rings", lambda recs, *a, room, **kw: sized.append(
+        large if room >= large.nbytes else small) or sized[-1])
+    on_device, cost, _, rings = construct(4 * GIB + kept + tight_cost)
+    assert (on_device, cost, rings) == (tight, tight_cost, small)
+    with pytest.raises(MemoryError, match=f"needs {tight_cost} bytes there, but the device has room for "
+                                          f"{tight_cost - 1} "):
+        construct(4 * GIB + kept + tight_cost - 1)
