@@ -218,10 +218,13 @@ def test_the_backlog_is_stepped_in_the_next_forwards_order(monkeypatch):
     model(torch.randn(2, 32).to(torch.bfloat16)).float().sum().backward()  # gradients arrive 5, 4, ..., 0
     off.step()
     off.wait_for_weights()
-    # The chunks the worker had not begun when backward ended run last-arrived first: the
-    # worker either held the first chunk (5, 4) already, or none (in arrival order without
-    # the reordering: 5, 4, 3, 2, 1, 0).
-    assert order in ([5, 4, 1, 0, 3, 2], [1, 0, 3, 2, 5, 4])
+    # The chunks the worker had not begun when backward ended run last-arrived first (in
+    # arrival order without the reordering: 5, 4, 3, 2, 1, 0). The one it held at the gate
+    # runs first: the last arrived when it woke, (5, 4), (3, 2) or (1, 0).
+    chunks = [[5, 4], [3, 2], [1, 0]]
+    held = [c + sum((o for o in reversed(chunks) if o != c), []) for c in chunks]
+    assert held == [[5, 4, 1, 0, 3, 2], [3, 2, 1, 0, 5, 4], [1, 0, 3, 2, 5, 4]]
+    assert order in held
     off.close()
 
 
