@@ -331,8 +331,11 @@ def test_auto_falls_back_to_the_smallest_rings_when_the_device_cannot_take_the_s
         monkeypatch.setattr(module, "available_host_ram", lambda: needed + small.nbytes - short)
     monkeypatch.setattr(device_state, "host_margin", lambda: 0)
     sized = []
-    monkeypatch.setattr(optimizer_module, "staging_rings", lambda recs, *a, room, **kw: sized.append(
-        large if room >= large.nbytes else small) or sized[-1])
+
+    def two_sizes(recs, *args, room, **kwargs):
+        sized.append(large if room >= large.nbytes else small)
+        return sized[-1]
+    monkeypatch.setattr(optimizer_module, "staging_rings", two_sizes)
 
     def construct(free):
         monkeypatch.setattr(device_state, "free_memory", lambda device: (free, 8 * GIB))
@@ -345,13 +348,12 @@ def test_auto_falls_back_to_the_smallest_rings_when_the_device_cannot_take_the_s
         off.close()
         return on_device, cost, freed, sized[-1]
 
-    roomy, roomy_cost, roomy_freed, roomy_rings = construct(8 * GIB)
+    _, roomy_cost, roomy_freed, roomy_rings = construct(8 * GIB)
     assert roomy_rings == large and roomy_freed >= short + large.nbytes - small.nbytes
     monkeypatch.setattr(optimizer_module, "staging_rings", lambda recs, *a, room, **kw: sized.append(small) or small)
     tight, tight_cost, tight_freed, _ = construct(8 * GIB)  # what the smallest rings need moved
     assert tight_freed >= short and tight_cost < roomy_cost
-    monkeypatch.setattr(optimizer_module, "staging_rings", lambda recs, *a, room, **kw: sized.append(
-        large if room >= large.nbytes else small) or sized[-1])
+    monkeypatch.setattr(optimizer_module, "staging_rings", two_sizes)
     on_device, cost, _, rings = construct(4 * GIB + kept + tight_cost)
     assert (on_device, cost, rings) == (tight, tight_cost, small)
     with pytest.raises(MemoryError, match=f"needs {tight_cost} bytes there, but the device has room for "
