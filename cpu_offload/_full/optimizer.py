@@ -234,7 +234,7 @@ class FullCPUOffloadOptimizer(WindowControls, torch.optim.Optimizer):
             # the state that the host RAM could not hold: a clear MemoryError now, not an
             # out-of-memory in backward).
             free, total = reading
-            default, smallest = (rings(records, room, backlog=False).nbytes for room in (1 << 62, 0))
+            default, smallest = (rings(records, host_room, backlog=False).nbytes for host_room in (1 << 62, 0))
             grad_itemsize = 0 if accumulate else compute_dtype.itemsize
             kept_on_device = sum(r.numel for r in records) * grad_itemsize if grad_copy == "device" else 0
             own_grad = 0 if grad_copy == "device" else grad_itemsize
