@@ -347,6 +347,11 @@ def init_distributed(device: torch.device, **kwargs) -> None:
     if dist.is_initialized():
         return
     backend = "nccl" if device.type == "cuda" else "gloo"
+    if device.type == "cuda":
+        # NOTE: device_id makes NCCL form its communicator now, while the GPU is empty. Left
+        # lazy, it forms at the first collective, which near the memory edge is the end of
+        # backward with the GPU at its fullest, and fails there with "Failed to CUDA calloc".
+        kwargs.setdefault("device_id", device)
     if "RANK" in os.environ and "WORLD_SIZE" in os.environ:
         dist.init_process_group(backend, **kwargs)
     else:
