@@ -221,10 +221,7 @@ def test_the_backlog_is_stepped_in_the_next_forwards_order(monkeypatch):
     # The chunks the worker had not begun when backward ended run last-arrived first (in
     # arrival order without the reordering: 5, 4, 3, 2, 1, 0). The one it held at the gate
     # runs first: the last arrived when it woke, (5, 4), (3, 2) or (1, 0).
-    chunks = [[5, 4], [3, 2], [1, 0]]
-    held = [c + sum((o for o in reversed(chunks) if o != c), []) for c in chunks]
-    assert held == [[5, 4, 1, 0, 3, 2], [3, 2, 1, 0, 5, 4], [1, 0, 3, 2, 5, 4]]
-    assert order in held
+    assert order in ([5, 4, 1, 0, 3, 2], [3, 2, 1, 0, 5, 4], [1, 0, 3, 2, 5, 4])
     off.close()
 
 
