@@ -45,7 +45,8 @@ from cpu_offload._common.dtensor import local_of
 from cpu_offload._full.dtype_hint import watch_first_forward
 from cpu_offload._common.interrupts import deferred_interrupts
 from cpu_offload._full.options import (
-    check_clipping_options, check_gpu_state, check_optimizer, check_options, read_hparams, staging_rings,
+    PINNED_MAX, PINNED_MIN, check_clipping_options, check_gpu_state, check_optimizer, check_options, read_hparams,
+    staging_rings,
 )
 from cpu_offload._full.binding import bind_for
 from cpu_offload._full.pipeline import Pipeline
@@ -203,9 +204,9 @@ class FullCPUOffloadOptimizer(WindowControls, torch.optim.Optimizer):
                                      grad_itemsize=lambda r: 4 if copy_itemsize and id(r.param) in keep
                                      else copy_itemsize)
 
-        def rings(recs, room, backlog=overlap):
+        def rings(recs, room, backlog=overlap, fill=False):
             return staging_rings(recs, keep, compute_dtype, pinned_bytes=pinned_bytes, num_slots=num_slots, room=room,
-                                 backlog=backlog)
+                                 backlog=backlog, fill=fill)
 
         def on_host(on_device):
             moved = {id(r) for r in on_device}
@@ -226,20 +227,23 @@ class FullCPUOffloadOptimizer(WindowControls, torch.optim.Optimizer):
             # the device that make the host state fit, if the device has room for them now;
             # then size the rings for what stays on the host. The host is to keep room for the
             # rings' default size; when the device cannot take that much state, for the
-            # smallest rings (backward may then wait for a slot: at 21B the default rings'
-            # 3.5 GiB more did not fit). The device's room is what it has free less the
-            # margin and less every gradient the window keeps on it at the end of backward: a
-            # device parameter's own (its step reads it when the window closes) and, with
-            # grad_copy="device", each host parameter's too (at 22B they would not fit with
-            # the state that the host RAM could not hold: a clear MemoryError now, not an
-            # out-of-memory in backward).
+            # largest rings, in steps of 512 MiB down to the smallest, that it can (at 21B, in
+            # two runs of the same code, backward waited 2.6 s a step for slots with the
+            # smallest rings, where the device's free memory fell short of the default's
+            # state, and 1.1 s with the default). The device's room is what it has free less
+            # the margin and less every gradient the window keeps on it at the end of
+            # backward: a device parameter's own (its step reads it when the window closes)
+            # and, with grad_copy="device", each host parameter's too (at 22B they would not
+            # fit with the state that the host RAM could not hold: a clear MemoryError now,
+            # not an out-of-memory in backward).
             free, total = reading
-            default, smallest = (rings(records, host_room, backlog=False).nbytes for host_room in (1 << 62, 0))
+            ring_sizes = dict.fromkeys(rings(records, host_room, backlog=False, fill=True).nbytes
+                                       for host_room in (1 << 62, *range(PINNED_MAX, -1, -PINNED_MIN)))
             grad_itemsize = 0 if accumulate else compute_dtype.itemsize
             kept_on_device = sum(r.numel for r in records) * grad_itemsize if grad_copy == "device" else 0
             own_grad = 0 if grad_copy == "device" else grad_itemsize
             room = free - auto_margin(total) - kept_on_device
-            for short in dict.fromkeys(needed + ring + margin - available for ring in (default, smallest)):
+            for short in dict.fromkeys(needed + ring + margin - available for ring in ring_sizes):
                 chosen = records_to_free_host(records, short, lambda r: host_needed([r]))
                 cost = None if chosen is None else sum(r.numel * (per_element + own_grad) for r in chosen)
                 if cost is not None and cost <= room:
@@ -253,7 +257,7 @@ class FullCPUOffloadOptimizer(WindowControls, torch.optim.Optimizer):
                        f"{auto_margin(total)} and {kept_on_device} for the gradients kept there)")
             host_records = on_host(on_device)
             needed = host_needed(host_records)
-            shape = rings(host_records, available - needed - margin)
+            shape = rings(host_records, available - needed - margin, fill=True)
         check_host_ram(needed, shape.nbytes, available, why)
 
         self.binding = bind_for(device, sysfs_root)  # before any host state is touched

@@ -16,7 +16,8 @@ from cpu_offload._common.checks import check_int
 from cpu_offload.optim import SignSGD
 from cpu_offload._full.packing import align_up
 
-__all__ = ["check_optimizer", "check_options", "check_gpu_state", "staging_rings", "Rings", "read_hparams"]
+__all__ = ["check_optimizer", "check_options", "check_gpu_state", "staging_rings", "Rings", "read_hparams",
+           "PINNED_MIN", "PINNED_MAX"]
 
 _UNSUPPORTED_ADAMW = ("amsgrad", "maximize", "capturable", "differentiable")
 
@@ -106,11 +107,13 @@ class Rings:
 
 
 def staging_rings(records, keep: set, compute_dtype, *, pinned_bytes: Optional[int], num_slots: Optional[int],
-                  room: int, backlog: bool = False) -> Rings:
+                  room: int, backlog: bool = False, fill: bool = False) -> Rings:
     """The staging rings' shape; both have ``num_slots`` slots unless ``backlog``.
 
     ``pinned_bytes=None``: 1/8 of the gradient bytes, between 512 MiB and 4 GiB, or 512 MiB
-    when the larger size does not fit in ``room`` (the host RAM left after the state).
+    when the larger size does not fit in ``room`` (the host RAM left after the state); with
+    ``fill``, for a room that already leaves the process its margin, the largest multiple of
+    512 MiB that fits instead (at least 512 MiB).
     NOTE: under FSDP2 a block's gradients arrive at once, after its reduce-scatter; a ring
     smaller than that burst blocks backward until the CPU kernel frees a slot, and the GPU
     then idles (at 14B, 1.9 s of a 3.7 s step with 512 MiB). 1/16 of the gradient bytes per
@@ -134,7 +137,7 @@ def staging_rings(records, keep: set, compute_dtype, *, pinned_bytes: Optional[i
     if pinned_bytes is None:
         pinned_bytes = min(PINNED_MAX, max(PINNED_MIN, grad_bytes // 8))
         if pinned_bytes > room:
-            pinned_bytes = PINNED_MIN
+            pinned_bytes = max(PINNED_MIN, room // PINNED_MIN * PINNED_MIN) if fill else PINNED_MIN
     if num_slots is None:
         num_slots = max(4, pinned_bytes // (2 * SLOT_BYTES))
     default = Rings(num_slots, num_slots, max(4096, min(pinned_bytes // (2 * num_slots), all_grads)))

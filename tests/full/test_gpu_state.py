@@ -14,7 +14,8 @@ from cpu_offload._full import device_state
 from cpu_offload._full.device_state import device_bytes_per_element
 from cpu_offload._full.optimizer import FullCPUOffloadOptimizer
 from cpu_offload.reference import adamw_reference_
-from helpers import SMALL, assert_same_state, batches, build, capture, host_bytes_of, named, records_of, train_step
+from helpers import (SMALL, assert_same_state, batches, build, capture, host_bytes_of, named, records_of,
+                     staging_rings_of, train_step)
 
 EVERYTHING = 1 << 40
 HALF = 3100 * 12  # about half of Net's 6293 trained elements, with fp32 AdamW state, no accumulator
@@ -307,11 +308,63 @@ def test_auto_sizes_the_staging_rings_for_the_parameters_left_on_the_host(monkey
     model, opt = build("adamw")
     off = FullCPUOffloadOptimizer(opt, gpu_state="auto", **SMALL)
     host = [r for r in records_of(off) if not r.on_device]
-    assert len(host) < len(records_of(off)) and len(calls) == 4
+    mib = 1 << 20
+    assert len(host) < len(records_of(off)) and len(calls) == 12
     assert calls[0][1] == 0  # before the move: no room
-    assert calls[1][1] == 1 << 62 and calls[2][1] == 0  # their default and smallest sizes
-    assert calls[3][0] == host and calls[3][1] == needed - host_bytes_of(off) - 100  # after the move: what it freed
+    # the sizes the rings may take, from their default down to the smallest in 512 MiB steps
+    assert [room for _, room in calls[1:-1]] == [1 << 62] + [k * 512 * mib for k in range(8, -1, -1)]
+    assert calls[-1][0] == host and calls[-1][1] == needed - host_bytes_of(off) - 100  # after the move: what it freed
     off.close()
+
+
+def test_auto_keeps_the_largest_rings_whose_state_the_device_can_take(monkeypatch):
+    # At 21B the device's room lay between what the smallest rings and what the default
+    # ones needed moved there, and the smallest were taken (backward waited 2.6 s a step for
+    # slots instead of 1.1 s). The sizes between are tried, largest first.
+    from cpu_offload._full import host_state, optimizer as optimizer_module
+    from cpu_offload._full.options import Rings
+
+    model, opt = build("adamw")
+    full = FullCPUOffloadOptimizer(opt, **SMALL)
+    needed = host_bytes_of(full)
+    kept = sum(r.numel for r in records_of(full)) * 2  # every bf16 gradient, kept on the device
+    full.close()
+    # the default first, which no split frees room for, then 80, 48 and 16 KiB; sizes are
+    # tried in steps of PINNED_MIN up from 0 to PINNED_MAX, here 16 and 128 KiB
+    default, large, medium, small = (Rings(2, 2, 4096 * k) for k in (12, 5, 3, 1))
+    monkeypatch.setattr(optimizer_module, "PINNED_MIN", small.nbytes)
+    monkeypatch.setattr(optimizer_module, "PINNED_MAX", 8 * small.nbytes)
+    available = needed + small.nbytes - 1000
+    for module in (host_state, optimizer_module):
+        monkeypatch.setattr(module, "available_host_ram", lambda: available)
+    monkeypatch.setattr(device_state, "host_margin", lambda: 0)
+
+    def construct(free, staging_rings):
+        monkeypatch.setattr(optimizer_module, "staging_rings", staging_rings)
+        monkeypatch.setattr(device_state, "free_memory", lambda device: (free, 8 * GIB))
+        model, opt = build("adamw")
+        off = FullCPUOffloadOptimizer(opt, gpu_state="auto", **SMALL)
+        cost = sum(r.numel * 12 for r in records_of(off) if r.on_device)
+        d2h, h2d = staging_rings_of(off)
+        rings = Rings(len(d2h.slots), len(h2d.slots), d2h.slot_bytes)
+        assert host_bytes_of(off) + rings.nbytes <= available  # the rings fit beside the host state
+        off.close()
+        return cost, rings
+
+    def graded(recs, *args, room, fill=False, **kwargs):  # staging_rings' rule, on these sizes
+        fits = [r for r in (default, large, medium) if r.nbytes <= room]
+        return fits[0] if fits and (fill or fits[0] == default) else small
+
+    # what each size needs moved to the device, when it is the only one
+    cost = {r: construct(8 * GIB, lambda recs, *a, r=r, **kw: r)[0] for r in (large, medium, small)}
+    assert cost[large] > cost[medium] > cost[small] > 0
+    assert construct(8 * GIB, graded) == (cost[large], large)
+    for ring, smaller in ((large, medium), (medium, small)):
+        # room for ring's state: that state, and rings at least that large (as large as the
+        # host room it freed holds); a byte less: the next size's
+        for room, size in ((cost[ring], ring), (cost[ring] - 1, smaller)):
+            moved, rings = construct(4 * GIB + kept + room, graded)
+            assert moved == cost[size] and rings.nbytes >= size.nbytes
 
 
 def test_auto_falls_back_to_the_smallest_rings_when_the_device_cannot_take_the_state_for_the_default(monkeypatch):

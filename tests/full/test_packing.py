@@ -87,8 +87,19 @@ def test_default_rings_grow_with_the_gradient_bytes_in_256_mib_slots():
     assert 256 * mib <= r.slot_bytes < 512 * mib
     # a 1B model: the 512 MiB floor, 4 slots of 64 MiB, as before
     assert _rings([10_000_000] * 95, pinned_bytes=None, num_slots=None, room=1 << 40) == Rings(4, 4, 64 * mib)
-    # no room in host RAM for the larger rings: the floor
+    # no room in host RAM for the larger rings: the floor; with fill, the largest 512 MiB
+    # multiple the room holds (2.3 GiB: 2 GiB, 4 slots of 256 MiB), never below the floor
     assert _rings([325_000_000] * 44, pinned_bytes=None, num_slots=None, room=1 << 30) == Rings(4, 4, 64 * mib)
+    assert _rings([325_000_000] * 44, pinned_bytes=None, num_slots=None, room=2355 * mib,
+                  fill=True) == Rings(4, 4, 256 * mib)
+    assert _rings([325_000_000] * 44, pinned_bytes=None, num_slots=None, room=3 << 30, fill=True) == Rings(6, 6, 256 * mib)
+    for room in (0, 511 * mib, -(1 << 30)):
+        assert _rings([325_000_000] * 44, pinned_bytes=None, num_slots=None, room=room,
+                      fill=True) == Rings(4, 4, 64 * mib)
+    # fill changes nothing when the default fits, or when the sizes are given
+    assert _rings([325_000_000] * 44, pinned_bytes=None, num_slots=None, room=1 << 40, fill=True) == \
+        _rings([325_000_000] * 44, pinned_bytes=None, num_slots=None, room=1 << 40)
+    assert _rings([325_000_000] * 44, pinned_bytes=1024 * mib, num_slots=None, room=0, fill=True) == Rings(4, 4, 128 * mib)
     # a 70B model: capped at 4 GiB
     r = _rings([1_000_000_000] * 70, pinned_bytes=None, num_slots=None, room=1 << 40)
     assert r.nbytes == 4096 * mib and r.slot_bytes == 256 * mib
