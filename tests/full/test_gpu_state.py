@@ -21,6 +21,16 @@ EVERYTHING = 1 << 40
 HALF = 3100 * 12  # about half of Net's 6293 trained elements, with fp32 AdamW state, no accumulator
 
 
+def all_host_bytes() -> tuple:
+    """The all-host run's host state bytes, and the bytes of its bf16 gradients (what
+    grad_copy="device" keeps on the device at the end of backward)."""
+    model, opt = build("adamw")
+    full = FullCPUOffloadOptimizer(opt, **SMALL)
+    needed, kept = host_bytes_of(full), sum(r.numel for r in records_of(full)) * 2
+    full.close()
+    return needed, kept
+
+
 def half(kind, k, state_dtype):
     """The budget of about half of the model's device state."""
     return 3100 * device_bytes_per_element(moments=kind == "adamw", state_dtype=state_dtype, accumulate=k > 1)
@@ -252,10 +262,7 @@ def test_auto_without_a_memory_reading_keeps_everything_on_the_host():
 def test_auto_puts_parameters_on_the_device_when_the_host_cannot_hold_the_state(monkeypatch):
     from cpu_offload._full import host_state, optimizer as optimizer_module
 
-    model, opt = build("adamw")
-    full = FullCPUOffloadOptimizer(opt, **SMALL)
-    needed = host_bytes_of(full)
-    full.close()
+    needed, _ = all_host_bytes()
     pinned = 2 * SMALL["num_slots"] * (SMALL["pinned_bytes"] // (2 * SMALL["num_slots"]))
     short = 19_000  # more than l1.weight's 1536 x 12 = 18432 bytes
     for module in (host_state, optimizer_module):
@@ -293,10 +300,7 @@ def test_auto_sizes_the_staging_rings_for_the_parameters_left_on_the_host(monkey
     # and stayed so although the move had made room: they are sized again after it.
     from cpu_offload._full import host_state, optimizer as optimizer_module
 
-    model, opt = build("adamw")
-    full = FullCPUOffloadOptimizer(opt, **SMALL)
-    needed = host_bytes_of(full)
-    full.close()
+    needed, _ = all_host_bytes()
     for module in (host_state, optimizer_module):
         monkeypatch.setattr(module, "available_host_ram", lambda: needed)  # no room for any ring
     monkeypatch.setattr(device_state, "host_margin", lambda: 100)
@@ -324,11 +328,7 @@ def test_auto_keeps_the_largest_rings_whose_state_the_device_can_take(monkeypatc
     from cpu_offload._full import host_state, optimizer as optimizer_module
     from cpu_offload._full.options import Rings
 
-    model, opt = build("adamw")
-    full = FullCPUOffloadOptimizer(opt, **SMALL)
-    needed = host_bytes_of(full)
-    kept = sum(r.numel for r in records_of(full)) * 2  # every bf16 gradient, kept on the device
-    full.close()
+    needed, kept = all_host_bytes()
     # the default first, which no split frees room for, then 80, 48 and 16 KiB; sizes are
     # tried in steps of PINNED_MIN up from 0 to PINNED_MAX, here 16 and 128 KiB
     default, large, medium, small = (Rings(2, 2, 4096 * k) for k in (12, 5, 3, 1))
@@ -373,11 +373,7 @@ def test_auto_falls_back_to_the_smallest_rings_when_the_device_cannot_take_the_s
     from cpu_offload._full import host_state, optimizer as optimizer_module
     from cpu_offload._full.options import Rings
 
-    model, opt = build("adamw")
-    full = FullCPUOffloadOptimizer(opt, **SMALL)
-    needed = host_bytes_of(full)
-    kept = sum(r.numel for r in records_of(full)) * 2  # every bf16 gradient, kept on the device
-    full.close()
+    needed, kept = all_host_bytes()
     small, large = Rings(2, 2, 4096), Rings(2, 2, 16384)  # 16 KiB and 64 KiB
     short = 19_000
     for module in (host_state, optimizer_module):
