@@ -45,8 +45,7 @@ from cpu_offload._common.dtensor import local_of
 from cpu_offload._full.dtype_hint import watch_first_forward
 from cpu_offload._common.interrupts import deferred_interrupts
 from cpu_offload._full.options import (
-    PINNED_MAX, PINNED_MIN, check_clipping_options, check_gpu_state, check_optimizer, check_options, read_hparams,
-    staging_rings,
+    check_clipping_options, check_gpu_state, check_optimizer, check_options, read_hparams, ring_rooms, staging_rings,
 )
 from cpu_offload._full.binding import bind_for
 from cpu_offload._full.pipeline import Pipeline
@@ -238,7 +237,7 @@ class FullCPUOffloadOptimizer(WindowControls, torch.optim.Optimizer):
             # not an out-of-memory in backward).
             free, total = reading
             ring_sizes = dict.fromkeys(rings(records, host_room, backlog=False, fill=True).nbytes
-                                       for host_room in (1 << 62, *range(PINNED_MAX, -1, -PINNED_MIN)))
+                                       for host_room in ring_rooms())
             grad_itemsize = 0 if accumulate else compute_dtype.itemsize
             kept_on_device = sum(r.numel for r in records) * grad_itemsize if grad_copy == "device" else 0
             own_grad = 0 if grad_copy == "device" else grad_itemsize

@@ -16,8 +16,8 @@ from cpu_offload._common.checks import check_int
 from cpu_offload.optim import SignSGD
 from cpu_offload._full.packing import align_up
 
-__all__ = ["check_optimizer", "check_options", "check_gpu_state", "staging_rings", "Rings", "read_hparams",
-           "PINNED_MIN", "PINNED_MAX"]
+__all__ = ["check_optimizer", "check_options", "check_gpu_state", "staging_rings", "ring_rooms", "Rings",
+           "read_hparams"]
 
 _UNSUPPORTED_ADAMW = ("amsgrad", "maximize", "capturable", "differentiable")
 
@@ -149,6 +149,13 @@ def staging_rings(records, keep: set, compute_dtype, *, pinned_bytes: Optional[i
     d2h = min(-(-held // slot), BACKLOG_MAX // slot, room // 2 // slot - h2d)
     grown = Rings(d2h, h2d, slot)
     return grown if d2h * slot > default.d2h_slots * default.slot_bytes else default
+
+
+def ring_rooms() -> tuple:
+    """Host rooms, largest first, at which ``staging_rings(..., fill=True)`` takes each size
+    it can: unbounded (the default size), then every multiple of PINNED_MIN from PINNED_MAX
+    down to 0 (the smallest)."""
+    return (1 << 62, *range(PINNED_MAX, -1, -PINNED_MIN))
 
 
 # With bf16 moments a rolled-back step is recomputed from the rounded moments: the update

@@ -325,15 +325,15 @@ def test_auto_keeps_the_largest_rings_whose_state_the_device_can_take(monkeypatc
     # At 21B the device's room lay between what the smallest rings and what the default
     # ones needed moved there, and the smallest were taken (backward waited 2.6 s a step for
     # slots instead of 1.1 s). The sizes between are tried, largest first.
-    from cpu_offload._full import host_state, optimizer as optimizer_module
+    from cpu_offload._full import host_state, optimizer as optimizer_module, options
     from cpu_offload._full.options import Rings
 
     needed, kept = all_host_bytes()
     # the default first, which no split frees room for, then 80, 48 and 16 KiB; sizes are
     # tried in steps of PINNED_MIN up from 0 to PINNED_MAX, here 16 and 128 KiB
     default, large, medium, small = (Rings(2, 2, 4096 * k) for k in (12, 5, 3, 1))
-    monkeypatch.setattr(optimizer_module, "PINNED_MIN", small.nbytes)
-    monkeypatch.setattr(optimizer_module, "PINNED_MAX", 8 * small.nbytes)
+    monkeypatch.setattr(options, "PINNED_MIN", small.nbytes)
+    monkeypatch.setattr(options, "PINNED_MAX", 8 * small.nbytes)
     available = needed + small.nbytes - 1000
     for module in (host_state, optimizer_module):
         monkeypatch.setattr(module, "available_host_ram", lambda: available)
