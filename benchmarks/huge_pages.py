@@ -1,0 +1,120 @@
+# The CPU AdamW pass of full offload on host state advised as transparent huge pages
+# (cpu_offload/_full/host_state.py, host_buffer) against the same pass on ordinary
+# allocations, measured in one run: both arms are checked bit for bit against the reference
+# on the same data, then timed alternately, chunk by chunk as the step worker calls the
+# kernel (slots of 256 MiB of bf16 gradients). Reports ms, GB/s of the minimal bytes per
+# element (fp32 moments 28 B, bf16 moments 20 B), the ratio of the two arms, the host's THP
+# setting and the huge pages the process holds with both arms allocated.
+# Run: python benchmarks/huge_pages.py [--numel N] [--repeats R] [--json PATH]
+# Non-goals: the end-to-end step (benchmarks/e2e.py), other kernels (python -m cpu_offload.bench).
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import time
+from pathlib import Path
+
+import torch
+
+from cpu_offload import kernels
+from cpu_offload._full.host_state import host_buffer
+from cpu_offload.reference import adamw_reference_
+
+HP = dict(lr=3e-4, beta1=0.9, beta2=0.95, eps=1e-8, weight_decay=0.1)
+BYTES_PER_ELEMENT = {torch.float32: 28, torch.bfloat16: 20}
+CHUNK = 1 << 27  # elements: a 256 MiB slot of bf16 gradients
+CHECK = 4099  # elements checked against the reference
+
+
+def thp_setting() -> str:
+    path = Path("/sys/kernel/mm/transparent_hugepage/enabled")
+    return path.read_text().strip() if path.exists() else "absent"
+
+
+def anon_huge_kib() -> int:
+    try:
+        for line in Path("/proc/self/smaps_rollup").read_text().splitlines():
+            if line.startswith("AnonHugePages:"):
+                return int(line.split()[1])
+    except OSError:
+        pass
+    return -1
+
+
+def state(n: int, moments: torch.dtype, alloc) -> dict:
+    """p, g, m, v, out of ``n`` elements from ``alloc(numel, dtype)``, filled with the same
+    values whatever the allocator (first touch after the allocation)."""
+    gen = torch.Generator().manual_seed(0)
+    t = {"p": alloc(n, torch.float32), "g": alloc(n, torch.bfloat16), "m": alloc(n, moments),
+         "v": alloc(n, moments), "out": alloc(n, torch.bfloat16)}
+    t["p"].copy_(torch.randn(n, generator=gen))
+    t["g"].copy_(torch.randn(n, generator=gen))
+    t["m"].copy_(torch.randn(n, generator=gen) * 1e-2)
+    t["v"].copy_(torch.rand(n, generator=gen) * 1e-4)
+    t["out"].zero_()
+    return t
+
+
+def adamw_pass(t: dict, steps: torch.Tensor) -> None:
+    n = t["p"].numel()
+    for lo in range(0, n, CHUNK):
+        s = slice(lo, min(n, lo + CHUNK))
+        kernels.adamw_step([t["p"][s]], [t["g"][s]], [t["m"][s]], [t["v"][s]], steps,
+                           compute_params=[t["out"][s]], **HP)
+
+
+def rows_for(moments: torch.dtype, n: int, repeats: int) -> list:
+    arms = {"huge pages": state(n, moments, host_buffer),
+            "ordinary pages": state(n, moments, lambda k, d: torch.empty(k, dtype=d))}
+    huge_kib = anon_huge_kib()  # both arms allocated and touched
+    ref = {k: v[:CHECK].clone() for k, v in arms["huge pages"].items()}
+    steps = {name: torch.zeros(1, dtype=torch.int64) for name in arms}
+    for name, t in arms.items():
+        adamw_pass(t, steps[name])
+    adamw_reference_(ref["p"], ref["g"], ref["m"], ref["v"], 1, **HP)
+    for name, t in arms.items():
+        for key in ("p", "m", "v"):
+            assert torch.equal(t[key][:CHECK], ref[key]), f"{name}: {key} differs from the reference"
+        assert torch.equal(t["out"][:CHECK], ref["p"].bfloat16()), f"{name}: the bf16 copy differs"
+    times = {name: [] for name in arms}
+    for _ in range(repeats):
+        for name, t in arms.items():  # alternately, so drifts of the host touch both arms
+            time.sleep(0.05)
+            t0 = time.perf_counter()
+            adamw_pass(t, steps[name])
+            times[name].append(time.perf_counter() - t0)
+    rows = []
+    for name in arms:
+        s = statistics.median(times[name])
+        rows.append({"moments": str(moments).replace("torch.", ""), "arm": name, "numel": n, "ms": s * 1e3,
+                     "gb_s": BYTES_PER_ELEMENT[moments] * n / s / 1e9})
+    rows[0]["x_ordinary"] = rows[1]["ms"] / rows[0]["ms"]
+    rows[0]["process_anon_huge_kib"] = huge_kib
+    return rows
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description="AdamW on host state with and without transparent huge pages.")
+    p.add_argument("--numel", type=float, default=2.7e8, help="elements per buffer (default 2.7e8)")
+    p.add_argument("--repeats", type=int, default=7)
+    p.add_argument("--json", metavar="PATH")
+    args = p.parse_args(argv)
+    n = int(args.numel)
+    rows = []
+    for moments in (torch.float32, torch.bfloat16):
+        rows += rows_for(moments, n, args.repeats)
+    report = {"thp": thp_setting(), "threads": kernels.get_num_threads(),
+              "isa": kernels.isa(), "torch": torch.__version__, "rows": rows}
+    print(f"THP: {report['thp']} | {report['threads']} threads, {report['isa']} | {n} elements per buffer")
+    for r in rows:
+        ratio = (f"  {r['x_ordinary']:.3f}x the ordinary pages' speed; the process held "
+                 f"{r['process_anon_huge_kib'] / 2**20:.2f} GiB of huge pages") if "x_ordinary" in r else ""
+        print(f"{r['moments']:>9} moments, {r['arm']:<15} {r['ms']:8.2f} ms  {r['gb_s']:6.1f} GB/s{ratio}")
+    if args.json:
+        Path(args.json).write_text(json.dumps(report, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
