@@ -10,8 +10,6 @@
 
 from __future__ import annotations
 
-import ctypes
-import sys
 from dataclasses import dataclass, field
 from typing import Iterable, Optional
 
@@ -191,38 +189,6 @@ def _padded(n: int) -> int:
     return (n + _ALIGN_ELEMS - 1) // _ALIGN_ELEMS * _ALIGN_ELEMS
 
 
-# Transparent huge pages: the size the host state is aligned to, and madvise's MADV_HUGEPAGE.
-_HUGE_PAGE_BYTES = 2 << 20
-_MADV_HUGEPAGE = 14
-
-
-def _advise_huge_pages(address: int, nbytes: int) -> bool:
-    """Ask Linux to back ``[address, address + nbytes)`` (page aligned) with transparent huge
-    pages; a hint: False where the OS has no such call or refuses it."""
-    if not sys.platform.startswith("linux") or nbytes <= 0:
-        return False
-    try:
-        libc = ctypes.CDLL(None, use_errno=True)
-        return libc.madvise(ctypes.c_void_p(address), ctypes.c_size_t(nbytes), _MADV_HUGEPAGE) == 0
-    except (OSError, AttributeError):
-        return False
-
-
-def host_buffer(numel: int, dtype: torch.dtype) -> torch.Tensor:
-    """An uninitialised flat host tensor of ``numel`` elements that starts on a 2 MiB boundary,
-    its pages advised as transparent huge pages before anything touches them.
-    NOTE: the optimizer kernel streams four or five such buffers at once; with 4 KiB pages
-    each stream misses the TLB every 4 KiB. On one H200 host (16 Xeon cores, THP "madvise"),
-    the fp32-moment AdamW pass over 2.7e8 elements ran at 148 GB/s with huge pages against
-    142 GB/s without, and the end-to-end fp32-moment step was 2-5% faster (benchmarks/README.md).
-    Where THP is "never", or the call fails, the buffer is the same with ordinary pages."""
-    nbytes = numel * dtype.itemsize
-    raw = torch.empty(nbytes + _HUGE_PAGE_BYTES, dtype=torch.uint8)
-    start = -raw.data_ptr() % _HUGE_PAGE_BYTES
-    _advise_huge_pages(raw.data_ptr() + start, nbytes)
-    return raw[start:start + nbytes].view(dtype)
-
-
 def host_bytes_needed(records: list[ParamRecord], *, moments: bool, accumulate: bool,
                       state_dtype: torch.dtype = torch.float32, grad_itemsize=lambda rec: 2) -> int:
     """Bytes of the host buffers: fp32 master, two moments in ``state_dtype``, and either
@@ -252,7 +218,7 @@ def check_host_ram(needed: int, pinned: int, available: int, why: str = "") -> N
 def allocate_host_state(records: list[ParamRecord], *, moments: bool, accumulate: bool,
                         state_dtype: torch.dtype = torch.float32) -> HostBuffers:
     """Allocate flat buffers (masters and accumulators fp32, moments in
-    ``state_dtype``; ``host_buffer``) and give each record its views; copy the masters.
+    ``state_dtype``) and give each record its views; copy the masters.
 
     NOTE: the caller binds the process to its CPU set before this runs, so the
     first touch below (the zero fill and the master copy) places the pages on
@@ -261,10 +227,10 @@ def allocate_host_state(records: list[ParamRecord], *, moments: bool, accumulate
     no alignment.
     """
     total = sum(_padded(r.numel) for r in records)
-    master = host_buffer(total, torch.float32)
-    exp_avg = host_buffer(total, state_dtype).zero_() if moments else None
-    exp_avg_sq = host_buffer(total, state_dtype).zero_() if moments else None
-    accum = host_buffer(total, torch.float32).zero_() if accumulate else None
+    master = torch.empty(total, dtype=torch.float32)
+    exp_avg = torch.zeros(total, dtype=state_dtype) if moments else None
+    exp_avg_sq = torch.zeros(total, dtype=state_dtype) if moments else None
+    accum = torch.zeros(total, dtype=torch.float32) if accumulate else None
     off = 0
     for r in records:
         sl = slice(off, off + r.numel)
@@ -285,7 +251,7 @@ def allocate_retained(records: list[ParamRecord], host: HostBuffers) -> None:
     for r in records:
         by_dtype.setdefault(r.local().dtype, []).append(r)
     for dtype, recs in by_dtype.items():
-        flat = host_buffer(sum(_padded(r.numel) for r in recs), dtype).zero_()
+        flat = torch.zeros(sum(_padded(r.numel) for r in recs), dtype=dtype)
         off = 0
         for r in recs:
             r.retained = flat[off : off + r.numel]

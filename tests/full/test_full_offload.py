@@ -2,7 +2,6 @@
 # equivalence with the reference and with torch.optim.AdamW, accumulation,
 # skipping, schedulers, small staging slots, checkpoints, stats and errors.
 import copy
-import os
 import io
 
 import pytest
@@ -417,39 +416,3 @@ def test_the_steady_state_validates_only_new_plans(monkeypatch):
     assert off.stats()["chunks"] > 30
     assert validated[0] - late_validated == new_calls[0] - late_new
     off.close()
-
-
-def test_host_state_starts_on_huge_page_boundaries_advised_before_first_touch(monkeypatch):
-    import cpu_offload._full.host_state as host_state
-    huge = 2 << 20
-    advised = []
-    real = host_state._advise_huge_pages
-
-    def advise(address, nbytes):
-        advised.append((address, nbytes))
-        return real(address, nbytes)
-    monkeypatch.setattr(host_state, "_advise_huge_pages", advise)
-    for numel, dtype in ((1, torch.float32), (3 * huge // 2 + 7, torch.bfloat16), (huge, torch.float32)):
-        advised.clear()
-        buf = host_state.host_buffer(numel, dtype)
-        assert buf.dtype == dtype and buf.shape == (numel,) and buf.is_contiguous()
-        assert buf.data_ptr() % huge == 0 and advised == [(buf.data_ptr(), numel * dtype.itemsize)]
-        buf.fill_(3)  # the whole range is the tensor's own memory
-        assert bool((buf == 3).all())
-    advised.clear()
-    model, opt = build("adamw")
-    off = FullCPUOffloadOptimizer(opt, **SMALL)
-    buffers = [off._host.master, off._host.exp_avg, off._host.exp_avg_sq]
-    assert all(b.data_ptr() % huge == 0 for b in buffers)
-    assert sorted(a for a, _ in advised) == sorted(b.data_ptr() for b in buffers)
-    assert all(bool((b == 0).all()) for b in buffers[1:])  # the moments start at zero
-    off.close()
-
-
-@pytest.mark.skipif(not os.path.isdir("/sys/kernel/mm/transparent_hugepage"),
-                    reason="this kernel has no transparent huge pages")
-def test_the_huge_page_advice_is_taken_where_the_kernel_has_them():
-    from cpu_offload._full.host_state import _advise_huge_pages, host_buffer
-    buf = host_buffer(1 << 20, torch.float32)
-    assert _advise_huge_pages(buf.data_ptr(), 4 << 20)
-    assert not _advise_huge_pages(buf.data_ptr() + 1, 4096)  # not page aligned: refused, not raised
