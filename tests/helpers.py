@@ -6,6 +6,7 @@
 #     some micro-batches only, one never used, one frozen), its training runs, and their
 #     replay with the reference or torch;
 #   - the clipped training run of full offload and snapshots of its host state;
+#   - a gate that holds the worker's kernels until a forward (overlap_forward) waits;
 #   - for the framework tests: a tiny Llama built from a config (nothing downloaded), random
 #     token data, the bf16/fp32-master reference optimizer full offload is compared with,
 #     and the comparison.
@@ -18,6 +19,7 @@ from __future__ import annotations
 
 import importlib.util
 import socket
+import threading
 import sys
 from collections import OrderedDict
 from pathlib import Path
@@ -29,6 +31,7 @@ import torch.nn.functional as F
 
 from cpu_offload import _C, kernels
 from cpu_offload._full.optimizer import FullCPUOffloadOptimizer
+from cpu_offload._full.pipeline import Pipeline
 from cpu_offload.optim import SignSGD
 from cpu_offload.reference import adamw_reference_, sign_sgd_reference_
 
@@ -600,3 +603,37 @@ def shard_blocks(model, world=None):
         fully_shard(b, mesh=mesh)
     fully_shard(model, mesh=mesh)
     return model
+
+
+# ------------------------------------------------ holding the worker (overlap_forward)
+
+class Gate:
+    """Holds the worker's optimizer kernel calls while closed, until the caller waits for
+    them (a drain, or a forward waiting for its weights); call number ``fail_at`` raises.
+    ``accumulate``: hold the accumulation kernels too."""
+
+    def __init__(self, monkeypatch, accumulate=False):
+        self.opened = threading.Event()
+        self.opened.set()
+        self.fail_at = None
+        self.calls = 0
+        for name in ("adamw_step", "sign_sgd_step") + (("accumulate_",) if accumulate else ()):
+            real = getattr(kernels, name)
+
+            def gated(*args, real=real, **kwargs):
+                assert self.opened.wait(30), "the gate was never opened"
+                self.calls += 1
+                if self.calls == self.fail_at:
+                    raise RuntimeError("injected kernel failure")
+                return real(*args, **kwargs)
+            monkeypatch.setattr(kernels, name, gated)
+        for name in ("drain", "wait_stepped"):
+            real = getattr(Pipeline, name)
+
+            def opening(pipeline, *args, real=real):
+                self.opened.set()
+                return real(pipeline, *args)
+            monkeypatch.setattr(Pipeline, name, opening)
+
+    def close(self):
+        self.opened.clear()

@@ -23,6 +23,7 @@ import torch
 
 from cpu_offload import kernels
 from cpu_offload._full.packing import align_up
+from cpu_offload._full.trace import NO_TRACE, Trace
 from cpu_offload._full.transfer import HostRing, Slot, wait_until
 
 __all__ = ["ChunkRunner", "SteppedPiece"]
@@ -93,11 +94,13 @@ class ChunkRunner:
         stats: the Counter the figures go to; lock: guards it and the slots.
         release: called (lock held) once the chunk's gradients have been read.
         diagnose: the pipeline's diagnostic, for timeouts.
+        trace: where the chunk's events go (trace.py).
     """
 
     def __init__(self, *, transfer, algorithm: str, h2d: HostRing, accumulate: bool, timeout_s: float,
                  track_norms: bool, skip_nonfinite: bool, copy_grads: bool, device_norms: Optional[torch.Tensor],
-                 stats: collections.Counter, lock, release: Callable, diagnose: Callable[[], str]) -> None:
+                 stats: collections.Counter, lock, release: Callable, diagnose: Callable[[], str],
+                 trace: Trace = NO_TRACE) -> None:
         self.transfer = transfer
         self.algorithm = algorithm
         self.h2d = h2d
@@ -111,6 +114,7 @@ class ChunkRunner:
         self._lock = lock
         self._release = release
         self._diagnose = diagnose
+        self.trace = trace
         self._h2d_next = 0
         self._plans: dict = {}
         # NOTE: a plan's kernel calls (one to four, typically) stay validated in the kernels'
@@ -143,6 +147,7 @@ class ChunkRunner:
         if chunk.slot is not None:
             self.phase = "waiting for gradient copies"
             grad_wait = self._wait(chunk.marker, f"the gradient copies of {chunk.describe()}")
+            self.trace.mark("grads_landed", chunk.seq)
         out_slot = None
         if chunk.final:
             out_slot = self.h2d.slots[self._h2d_next]
@@ -187,12 +192,16 @@ class ChunkRunner:
                 self.stepped.extend(SteppedPiece(p.rec, p.start, p.numel, p.rec.step + 1, chunk.hparams[p.rec.group])
                                     for p in chunk.pieces)
             t2 = time.perf_counter()
+            if plan.optimizer_calls:
+                self.trace.mark("kernel_begin", chunk.seq, at=t1)
+                self.trace.mark("kernel_end", chunk.seq, at=t2)
             if out_slot is not None:
                 # NOTE: issued before the chunk's d2h slot is released: the release wakes a
                 # gradient hook waiting for a slot, and the main thread would then hold the
                 # GIL these calls need.
                 self.phase = "issuing h2d copies"
                 out_slot.marker = self.transfer.h2d_copies(*self._copy_lists(plan), self.after)
+                self.trace.mark("h2d_issued", chunk.seq)
                 # NOTE: counted after the copies are issued: from here on the master,
                 # the moments and (once the copy lands) the compute copy are the new ones.
                 for p in chunk.pieces:

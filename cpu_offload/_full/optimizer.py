@@ -52,6 +52,7 @@ from cpu_offload._full.pipeline import Pipeline
 from cpu_offload._full.protocol import Phase, ProtocolError, ProtocolState
 from cpu_offload._full.state_mapping import StateMapping, for_device_placement
 from cpu_offload._full.validation import StepValidator
+from cpu_offload._full.trace import trace_from_env
 from cpu_offload._full.transfer import HostRing, make_transfer
 from cpu_offload._full.window import finish_window, land_window, reset_window, salvage_window
 from cpu_offload._full.forward_overlap import attach_forward_waits, check_overlap_model
@@ -75,8 +76,9 @@ def _user_stacklevel() -> int:
     return level
 
 
-def _shutdown(records, pipeline, transfer, handles) -> None:
-    """Release what a wrapper holds; must not reference the wrapper (it runs from a finalizer)."""
+def _shutdown(records, pipeline, transfer, handles, trace) -> None:
+    """Release what a wrapper holds and write its trace; must not reference the wrapper (it
+    runs from a finalizer)."""
     for handle in handles:
         handle.remove()
     handles.clear()
@@ -90,6 +92,7 @@ def _shutdown(records, pipeline, transfer, handles) -> None:
         transfer.synchronize()
     except Exception:  # the device may already be gone at interpreter exit
         pass
+    trace.write()
 
 
 class FullCPUOffloadOptimizer(WindowControls, torch.optim.Optimizer):
@@ -179,6 +182,7 @@ class FullCPUOffloadOptimizer(WindowControls, torch.optim.Optimizer):
                                                grad_copy=grad_copy)
         read_hparams(optimizer.param_groups, self._algorithm, bf16_moments=self._bf16_moments)
         check_gpu_state(gpu_state)
+        trace = trace_from_env()
         tracking = skip_nonfinite or max_grad_norm is not None
         records, frozen = collect_records(optimizer)
         check_overlap_model(overlap_forward, records)
@@ -280,7 +284,7 @@ class FullCPUOffloadOptimizer(WindowControls, torch.optim.Optimizer):
                                       accumulate=accumulate, timeout_s=float(timeout_s), skip_nonfinite=skip_nonfinite,
                                       copy_grads=grad_copy == "host",
                                       norm_slots=1 + max(r.index for r in records) if tracking else 0,
-                                      forward_order=overlap)
+                                      forward_order=overlap, trace=trace)
             ref = weakref.ref(self)
             for rec in records:
                 rec.hook = rec.param.register_post_accumulate_grad_hook(
@@ -320,7 +324,7 @@ class FullCPUOffloadOptimizer(WindowControls, torch.optim.Optimizer):
             overlap_forward, records,
             wait=lambda recs, fsdp: None if (w := ref()) is None else w._await_weights(recs, fsdp),
             land=lambda: None if (w := ref()) is None else w.wait_for_weights())
-        self._finalizer = weakref.finalize(self, _shutdown, records, self._pipeline, transfer, handles)
+        self._finalizer = weakref.finalize(self, _shutdown, records, self._pipeline, transfer, handles, trace)
         if any(dtype.itemsize > compute_dtype.itemsize for dtype in originals.values()):
             watch_first_forward(self, compute_dtype)  # explains the dtype error of fp32 inputs
         self._proto.move(Phase.IDLE)
@@ -401,6 +405,7 @@ class FullCPUOffloadOptimizer(WindowControls, torch.optim.Optimizer):
     def _backward_ended(self, gen: int) -> None:
         if gen != self._proto.gen or self._proto.phase is not Phase.BACKWARD:
             return
+        self._pipeline.trace.mark("backward_end", self._proto.micro)
         self._pipeline.end_backward()
         if not self._proto.final:
             self._proto.micro += 1
@@ -539,6 +544,7 @@ class FullCPUOffloadOptimizer(WindowControls, torch.optim.Optimizer):
         if self._proto.phase is Phase.IDLE:
             self._validator.open_window()  # a factor announced for a window that never ran
             return loss
+        self._pipeline.trace.mark("step_begin", at=t0)
         passes = self.grad_accum_steps if self._proto.phase is Phase.APPLIED else self._proto.micro
         if self._proto.phase is Phase.ACCUMULATING:  # a short window
             self._pipeline.begin_backward(micro=self._proto.micro, final=True, hparams=self._read_hparams())
@@ -548,6 +554,7 @@ class FullCPUOffloadOptimizer(WindowControls, torch.optim.Optimizer):
         # and the window closed, so the state is the one after this step.
         with deferred_interrupts():
             self._finish_step(passes, t0, blocked_before)
+        self._pipeline.trace.mark("step_end")
         return loss
 
     def _finish_step(self, passes: int, t0: float, blocked_before: float) -> None:
@@ -602,7 +609,10 @@ class FullCPUOffloadOptimizer(WindowControls, torch.optim.Optimizer):
         if fsdp_state is not None and getattr(fsdp_state, "_states_to_forward_prefetch", None):
             self._land()  # NOTE: FSDP2's explicit prefetch all-gathers later groups now
             return
+        trace = self._pipeline.trace
+        trace.mark("forward_wait_begin", len(recs))
         self._pipeline.wait_stepped(recs)
+        trace.mark("forward_wait_end", len(recs))
         if any(r.pieces_done < r.pieces_total for r in recs):
             self._land()  # the worker failed before stepping them: raises its error
             return

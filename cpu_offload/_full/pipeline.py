@@ -24,6 +24,7 @@ import torch
 from cpu_offload._full.chunk_runner import ChunkRunner
 from cpu_offload._full.host_state import ParamRecord
 from cpu_offload._full.packing import Placement, align_up, place
+from cpu_offload._full.trace import NO_TRACE, Trace
 from cpu_offload._full.transfer import HostRing, Slot, wait_until
 
 __all__ = ["Pipeline", "Piece", "Chunk"]
@@ -99,17 +100,19 @@ class Pipeline:
         copy_grads: without accumulation, copy each stepped gradient to ``ParamRecord.retained``.
         skip_nonfinite: a non-finite gradient stops the window's remaining steps.
         forward_order: the worker takes optimizer chunks last-arrived first (``_take``).
+        trace: where the chunks' events go (trace.py).
     """
 
     def __init__(self, *, transfer, algorithm: str, d2h: HostRing, h2d: HostRing, accumulate: bool, timeout_s: float,
                  norm_slots: int = 0, skip_nonfinite: bool = False, copy_grads: bool = False,
-                 forward_order: bool = False) -> None:
+                 forward_order: bool = False, trace: Trace = NO_TRACE) -> None:
         if d2h.slot_bytes != h2d.slot_bytes:
             raise ValueError("d2h and h2d slots must have the same size")
         self.transfer = transfer
         self.d2h, self.h2d = d2h, h2d
         self.timeout_s = timeout_s
         self.forward_order = forward_order
+        self.trace = trace
         self.stats = collections.Counter()
         self._cv = threading.Condition()
         device_norms = (torch.zeros(norm_slots, dtype=torch.float64, pin_memory=transfer.pin)
@@ -118,7 +121,7 @@ class Pipeline:
                                    timeout_s=timeout_s, track_norms=norm_slots > 0,
                                    skip_nonfinite=skip_nonfinite and norm_slots > 0, copy_grads=copy_grads,
                                    device_norms=device_norms, stats=self.stats, lock=self._cv,
-                                   release=self._release_input, diagnose=self.diagnose)
+                                   release=self._release_input, diagnose=self.diagnose, trace=trace)
         self._queue: collections.deque = collections.deque()
         self._open: Optional[Chunk] = None
         self._busy: Optional[Chunk] = None
@@ -185,6 +188,7 @@ class Pipeline:
                        deferred: bool = False) -> None:
         self._cur = Pass(micro, final, hparams, speculative, deferred)
         self._runner.after = None
+        self.trace.mark("backward_begin", micro)
 
     def stage_grad(self, rec: ParamRecord, grad: torch.Tensor, *, add: bool) -> None:
         """Stage the flat gradient ``grad`` of ``rec`` into the open chunk(s)."""
@@ -192,6 +196,7 @@ class Pipeline:
         used = None if self._open is None else self._open.used
         placements, _ = place(rec.numel, dtype.itemsize, self.d2h.slot_bytes, used)
         norm = None
+        self.trace.mark("grad_staged", rec.index)
         if self._cur.final:
             # NOTE: set before any piece is queued: the runner counts the step when
             # it has processed this many pieces, whichever chunk finishes last.
@@ -370,6 +375,7 @@ class Pipeline:
         cur = self._cur
         t0 = time.perf_counter()
         deadline = time.monotonic() + self.timeout_s
+        waited = False
         with self._cv:
             while True:
                 if self._stop:
@@ -382,9 +388,14 @@ class Pipeline:
                 left = deadline - time.monotonic()
                 if left <= 0:
                     raise TimeoutError(f"cpu_offload: timed out after {self.timeout_s:g}s waiting for a free d2h slot\n{self._diagnose()}")
+                waited = True
                 self._cv.wait(min(left, 0.5))
             slot = free[0]
-            self.stats["slot_wait_s"] += time.perf_counter() - t0  # backward blocked on the worker
+            t1 = time.perf_counter()
+            self.stats["slot_wait_s"] += t1 - t0  # backward blocked on the worker
+            if waited:
+                self.trace.mark("slot_wait_begin", at=t0)
+                self.trace.mark("slot_wait_end", at=t1)
             self._d2h_next = (slot.index + 1) % n
             chunk = Chunk(self._next_seq(), cur.micro, cur.final, slot, cur.hparams, cur.speculative, cur.deferred)
             slot.owner = chunk.seq
@@ -398,6 +409,7 @@ class Pipeline:
         self._submit(chunk)
 
     def _submit(self, chunk: Chunk) -> None:
+        self.trace.mark("chunk_queued", chunk.seq)
         with self._cv:
             self._queue.append(chunk)
             self._cv.notify_all()
@@ -440,6 +452,7 @@ class Pipeline:
                     return
                 chunk = self._take()
                 self._busy = chunk
+                self.trace.mark("chunk_take", chunk.seq)
                 # NOTE: after a failure the rest of the window is skipped (until
                 # ``reset_window``); the pieces of skipped chunks are not counted,
                 # so no parameter counts a step its master did not take.
@@ -457,4 +470,5 @@ class Pipeline:
                 with self._cv:
                     self._release_input(chunk)
                     self._busy = None
+                    self.trace.mark("chunk_done", chunk.seq)
                     self._cv.notify_all()

@@ -6,54 +6,20 @@
 # step, accumulation windows, grad_copy="host". A worker failure after step() surfaces on the
 # caller's thread in the next forward, and an interrupt while a forward waits leaves nothing
 # behind.
-import threading
 
 import pytest
 import torch
 import torch.nn as nn
 
-from cpu_offload import kernels
 from cpu_offload._full.host_state import ParamRecord
 from cpu_offload._full.optimizer import FullCPUOffloadOptimizer
 from cpu_offload._full.pipeline import Chunk, Pipeline
 from cpu_offload._full.transfer import HostRing, SyncTransfer
-from helpers import batches, build, phase_of, records_of, staging_rings_of
+from helpers import Gate, batches, build, phase_of, records_of, staging_rings_of
 
 # Rings that hold every gradient of helpers.Net (12.6 KB), in 8 KiB slots: with the kernels
 # held, backward must not wait for a slot.
 RINGS = dict(pinned_bytes=1 << 16, num_slots=4)
-
-
-class Gate:
-    """Holds the worker's optimizer kernel calls while closed, until the caller waits for
-    them (a drain, or a forward waiting for its weights); call number ``fail_at`` raises.
-    ``accumulate``: hold the accumulation kernels too."""
-
-    def __init__(self, monkeypatch, accumulate=False):
-        self.opened = threading.Event()
-        self.opened.set()
-        self.fail_at = None
-        self.calls = 0
-        for name in ("adamw_step", "sign_sgd_step") + (("accumulate_",) if accumulate else ()):
-            real = getattr(kernels, name)
-
-            def gated(*args, real=real, **kwargs):
-                assert self.opened.wait(30), "the gate was never opened"
-                self.calls += 1
-                if self.calls == self.fail_at:
-                    raise RuntimeError("injected kernel failure")
-                return real(*args, **kwargs)
-            monkeypatch.setattr(kernels, name, gated)
-        for name in ("drain", "wait_stepped"):
-            real = getattr(Pipeline, name)
-
-            def opening(pipeline, *args, real=real):
-                self.opened.set()
-                return real(pipeline, *args)
-            monkeypatch.setattr(Pipeline, name, opening)
-
-    def close(self):
-        self.opened.clear()
 
 
 def state_of(model, off):
