@@ -1,10 +1,11 @@
 # The CPU AdamW pass of full offload on host state advised as transparent huge pages (each
 # buffer on a 2 MiB boundary, madvise(MADV_HUGEPAGE) before its first touch) against the same
-# pass on ordinary allocations (the library's host state), measured in one run: both arms are checked bit for bit against the reference
-# on the same data, then timed alternately, chunk by chunk as the step worker calls the
-# kernel (slots of 256 MiB of bf16 gradients). Reports ms, GB/s of the minimal bytes per
-# element (fp32 moments 28 B, bf16 moments 20 B), the ratio of the two arms, the host's THP
-# setting and the huge pages the process holds with both arms allocated.
+# pass on ordinary allocations (the library's host state), in one run: both arms step the same
+# data once and their first CHECK elements are compared bit for bit with the reference, then
+# they are timed alternately, chunk by chunk as the step worker calls the kernel (slots of
+# 256 MiB of bf16 gradients). Reports ms, GB/s of the minimal bytes per element (fp32 moments
+# 28 B, bf16 moments 20 B), the ratio of the two arms, the host's THP setting and the huge
+# pages the process holds with both arms allocated.
 # Run: python benchmarks/huge_pages.py [--numel N] [--repeats R] [--json PATH]
 # Non-goals: the end-to-end step (benchmarks/e2e.py), other kernels (python -m cpu_offload.bench).
 # Why the library allocates its host state without the advice: benchmarks/README.md.
