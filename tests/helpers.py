@@ -19,8 +19,8 @@ from __future__ import annotations
 
 import importlib.util
 import socket
-import threading
 import sys
+import threading
 from collections import OrderedDict
 from pathlib import Path
 

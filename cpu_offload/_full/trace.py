@@ -17,7 +17,7 @@ import threading
 import time
 import warnings
 from pathlib import Path
-from typing import Mapping, Optional
+from typing import Optional
 
 __all__ = ["ENV", "Trace", "NO_TRACE", "trace_from_env"]
 
@@ -56,10 +56,10 @@ class Trace:
 NO_TRACE = Trace(None)
 
 
-def trace_from_env(environ: Optional[Mapping[str, str]] = None) -> Trace:
+def trace_from_env() -> Trace:
     """A Trace writing to the directory that CPU_OFFLOAD_TRACE names, or NO_TRACE when it is
     unset or empty; ValueError when it names no directory."""
-    raw = (os.environ if environ is None else environ).get(ENV, "")
+    raw = os.environ.get(ENV, "")
     if not raw:
         return NO_TRACE
     directory = Path(raw)
