@@ -10,8 +10,9 @@ namespace {
 
 // Split points fall on multiples of this many elements (a 64-byte line of fp32).
 constexpr int64_t kSplitAlign = 16;
-// Work blocks per worker thread (see parallel_ranges).
-constexpr int64_t kBlocksPerWorker = 8;
+// Work blocks per worker thread, and the fewest elements a block holds (see parallel_ranges).
+constexpr int64_t kBlocksPerWorker = 64;
+constexpr int64_t kMinBlock = 16384;
 
 struct Span {
   uintptr_t begin, end;
@@ -65,11 +66,16 @@ void TensorBatch::parallel_ranges(const std::function<void(int64_t, int64_t, int
   if (n == 0) return;
   const int64_t min_per_worker = std::max<int64_t>(1, g_min_elements_per_worker.load());
   const int64_t workers = std::max<int64_t>(1, std::min<int64_t>(pool_num_threads(), n / min_per_worker));
-  // NOTE: the elements are cut into about kBlocksPerWorker blocks per worker, taken from a
+  // NOTE: the elements are cut into about kBlocksPerWorker blocks per worker (none under
+  // kMinBlock elements, or under the split's minimum when that is lower), taken from a
   // shared counter, so a worker that starts late or shares its core does not hold up the
-  // call: the others take its blocks. Results do not depend on who runs which block.
+  // call: the others take its blocks. The call ends with its last block, so each worker
+  // idles for up to one block's time at the end: small blocks keep that tail short (8
+  // blocks per worker lost 2-3% of the AdamW pass on the 16-core H200 host). Results do not
+  // depend on who runs which block.
+  const int64_t least = (std::min<int64_t>(kMinBlock, min_per_worker) + kSplitAlign - 1) / kSplitAlign * kSplitAlign;
   const int64_t block = std::max<int64_t>(
-      kSplitAlign, (n / (workers * kBlocksPerWorker) + kSplitAlign - 1) / kSplitAlign * kSplitAlign);
+      least, (n / (workers * kBlocksPerWorker) + kSplitAlign - 1) / kSplitAlign * kSplitAlign);
   std::atomic<int64_t> next_block{0};
   pool_run(static_cast<int>(workers), [&](int) {
     for (;;) {
