@@ -88,7 +88,10 @@ def main(argv=None) -> int:
     args = p.parse_args(argv)
     if args.threads is not None:
         kernels.set_num_threads(args.threads)
-    slots = [int(x) for x in args.slots_mib.split(",")]
+    try:
+        slots = [int(x) for x in args.slots_mib.split(",")]
+    except ValueError:
+        slots = []
     if not slots or any(s < 1 for s in slots):
         p.error(f"--slots-mib must list positive sizes, got {args.slots_mib!r}")
     n = int(args.numel)

@@ -70,9 +70,9 @@ void TensorBatch::parallel_ranges(const std::function<void(int64_t, int64_t, int
   // kMinBlock elements, or under the split's minimum when that is lower), taken from a
   // shared counter, so a worker that starts late or shares its core does not hold up the
   // call: the others take its blocks. The call ends with its last block, so each worker
-  // idles for up to one block's time at the end: small blocks keep that tail short (8
-  // blocks per worker lost 2-3% of the AdamW pass on the 16-core H200 host). Results do not
-  // depend on who runs which block.
+  // idles for up to one block's time at the end: small blocks keep that tail short (with 8
+  // blocks per worker the AdamW pass was 1 to 11% slower on the H200 host's 16 cores,
+  // benchmarks/README.md). Results do not depend on who runs which block.
   const int64_t least = (std::min<int64_t>(kMinBlock, min_per_worker) + kSplitAlign - 1) / kSplitAlign * kSplitAlign;
   const int64_t block = std::max<int64_t>(
       least, (n / (workers * kBlocksPerWorker) + kSplitAlign - 1) / kSplitAlign * kSplitAlign);

@@ -31,8 +31,9 @@ def test_small_run_writes_every_slot_size_for_both_moment_dtypes(tmp_path, resto
     assert report["threads"] == 1 and report["numel"] == 2_000_000
 
 
-def test_bad_slot_sizes_are_refused_naming_the_option(capsys):
+@pytest.mark.parametrize("bad", ["0", "64,x", ""])
+def test_bad_slot_sizes_are_refused_naming_the_option(capsys, bad):
     bench = load_benchmark("kernel_calls.py", "kernel_calls_bench")
     with pytest.raises(SystemExit):
-        bench.main(["--slots-mib", "0"])
+        bench.main(["--slots-mib", bad])
     assert "--slots-mib must list positive sizes" in capsys.readouterr().err
