@@ -14,20 +14,18 @@ from __future__ import annotations
 import argparse
 import ctypes
 import json
-import statistics
 import sys
-import time
 from pathlib import Path
 
 import torch
 
-from cpu_offload import kernels
-from cpu_offload.reference import adamw_reference_
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # adamw_pass, also when loaded by path
+from adamw_pass import BYTES_PER_ELEMENT, CHECK, HP, check_step, median_times, state  # noqa: E402
 
-HP = dict(lr=3e-4, beta1=0.9, beta2=0.95, eps=1e-8, weight_decay=0.1)
-BYTES_PER_ELEMENT = {torch.float32: 28, torch.bfloat16: 20}
+from cpu_offload import kernels  # noqa: E402
+from cpu_offload.reference import adamw_reference_  # noqa: E402
+
 CHUNK = 1 << 27  # elements: a 256 MiB slot of bf16 gradients
-CHECK = 4099  # elements checked against the reference
 HUGE_PAGE_BYTES = 2 << 20
 MADV_HUGEPAGE = 14  # Linux
 
@@ -59,20 +57,6 @@ def anon_huge_kib() -> int:
     return -1
 
 
-def state(n: int, moments: torch.dtype, alloc) -> dict:
-    """p, g, m, v, out of ``n`` elements from ``alloc(numel, dtype)``, filled with the same
-    values whatever the allocator (first touch after the allocation)."""
-    gen = torch.Generator().manual_seed(0)
-    t = {"p": alloc(n, torch.float32), "g": alloc(n, torch.bfloat16), "m": alloc(n, moments),
-         "v": alloc(n, moments), "out": alloc(n, torch.bfloat16)}
-    t["p"].copy_(torch.randn(n, generator=gen))
-    t["g"].copy_(torch.randn(n, generator=gen))
-    t["m"].copy_(torch.randn(n, generator=gen) * 1e-2)
-    t["v"].copy_(torch.rand(n, generator=gen) * 1e-4)
-    t["out"].zero_()
-    return t
-
-
 def adamw_pass(t: dict, steps: torch.Tensor) -> None:
     n = t["p"].numel()
     for lo in range(0, n, CHUNK):
@@ -91,19 +75,12 @@ def rows_for(moments: torch.dtype, n: int, repeats: int) -> list:
         adamw_pass(t, steps[name])
     adamw_reference_(ref["p"], ref["g"], ref["m"], ref["v"], 1, **HP)
     for name, t in arms.items():
-        for key in ("p", "m", "v"):
-            assert torch.equal(t[key][:CHECK], ref[key]), f"{name}: {key} differs from the reference"
-        assert torch.equal(t["out"][:CHECK], ref["p"].bfloat16()), f"{name}: the bf16 copy differs"
-    times = {name: [] for name in arms}
-    for _ in range(repeats):
-        for name, t in arms.items():  # alternately, so drifts of the host touch both arms
-            time.sleep(0.05)
-            t0 = time.perf_counter()
-            adamw_pass(t, steps[name])
-            times[name].append(time.perf_counter() - t0)
+        check_step(t, ref, name)
+    medians = median_times({name: (lambda t=t, st=steps[name]: adamw_pass(t, st)) for name, t in arms.items()},
+                           repeats)
     rows = []
     for name in arms:
-        s = statistics.median(times[name])
+        s = medians[name]
         rows.append({"moments": str(moments).replace("torch.", ""), "arm": name, "numel": n, "ms": s * 1e3,
                      "gb_s": BYTES_PER_ELEMENT[moments] * n / s / 1e9})
     rows[0]["x_ordinary"] = rows[1]["ms"] / rows[0]["ms"]

@@ -14,20 +14,18 @@ from __future__ import annotations
 
 import argparse
 import json
-import statistics
-import time
+import sys
 from pathlib import Path
 
 import torch
 
-from cpu_offload import kernels
-from cpu_offload.reference import adamw_reference_
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # adamw_pass, also when loaded by path
+from adamw_pass import BYTES_PER_ELEMENT, CHECK, HP, check_step, median_times, state  # noqa: E402
+
+from cpu_offload import kernels  # noqa: E402
+from cpu_offload.reference import adamw_reference_  # noqa: E402
 
 __all__ = ["rows_for", "main"]
-
-HP = dict(lr=3e-4, beta1=0.9, beta2=0.95, eps=1e-8, weight_decay=0.1)
-BYTES_PER_ELEMENT = {torch.float32: 28, torch.bfloat16: 20}
-CHECK = 4099  # elements checked against the reference
 
 
 def chunk_calls(t: dict, elements_per_call: int) -> list:
@@ -46,28 +44,17 @@ def adamw_pass(calls: list) -> None:
 
 
 def rows_for(moments: torch.dtype, n: int, slots_mib: list, repeats: int) -> list:
-    gen = torch.Generator().manual_seed(0)
-    t = {"p": torch.randn(n, generator=gen), "g": torch.randn(n, generator=gen).bfloat16(),
-         "m": (torch.randn(n, generator=gen) * 1e-2).to(moments), "v": (torch.rand(n, generator=gen) * 1e-4).to(moments),
-         "out": torch.zeros(n, dtype=torch.bfloat16)}
+    t = state(n, moments)
     ref = {k: v[:CHECK].clone() for k, v in t.items()}
     arms = {mib: chunk_calls(t, (mib << 20) // 2) for mib in slots_mib}  # bf16 gradients: 2 B each
     for mib, calls in arms.items():  # each arm's first pass is step 1 of its own step counts
         adamw_pass(calls)
         adamw_reference_(ref["p"], ref["g"], ref["m"], ref["v"], 1, **HP)
-        for key in ("p", "m", "v"):
-            assert torch.equal(t[key][:CHECK], ref[key]), f"{mib} MiB slots: {key} differs from the reference"
-        assert torch.equal(t["out"][:CHECK], ref["p"].bfloat16()), f"{mib} MiB slots: the bf16 copy differs"
-    times = {mib: [] for mib in arms}
-    for _ in range(repeats):
-        for mib, calls in arms.items():  # alternately, so drifts of the host touch every size
-            time.sleep(0.05)
-            t0 = time.perf_counter()
-            adamw_pass(calls)
-            times[mib].append(time.perf_counter() - t0)
+        check_step(t, ref, f"{mib} MiB slots")
+    medians = median_times({mib: (lambda calls=calls: adamw_pass(calls)) for mib, calls in arms.items()}, repeats)
     rows = []
     for mib, calls in arms.items():
-        s = statistics.median(times[mib])
+        s = medians[mib]
         rows.append({"moments": str(moments).replace("torch.", ""), "slot_mib": mib, "calls": len(calls),
                      "ms": s * 1e3, "gb_s": BYTES_PER_ELEMENT[moments] * n / s / 1e9})
     first, last = rows[0], rows[-1]
