@@ -61,7 +61,9 @@ class _Staging:
     grad: torch.Tensor  # flat
     add: bool
     placements: list  # of packing.Placement
+    norm_pending: bool = False  # |g|_2 still to be computed and copied to the host
     issued: int = 0  # placements whose copy was issued
+    opened: int = -1  # the placement a chunk was last opened for
 
 
 @dataclass(eq=False)
@@ -195,20 +197,13 @@ class Pipeline:
         dtype = torch.bfloat16 if grad.dtype == torch.bfloat16 else torch.float32
         used = None if self._open is None else self._open.used
         placements, _ = place(rec.numel, dtype.itemsize, self.d2h.slot_bytes, used)
-        norm = None
         self.trace.mark("grad_staged", rec.index)
         if self._cur.final:
             # NOTE: set before any piece is queued: the runner counts the step when
             # it has processed this many pieces, whichever chunk finishes last.
             rec.plan_step(len(placements))
-            if self._runner.device_norms is not None:
-                norm = torch.linalg.vector_norm(grad, dtype=torch.float64)  # NOTE: float64: see grad_norms.py
-        self.transfer.grad_ready()
-        if norm is not None:
-            # NOTE: queued before the pieces, so the marker of the chunk holding the
-            # first piece also covers this copy: the runner reads it before stepping.
-            self.transfer.d2h_copy(self._runner.device_norms[rec.index : rec.index + 1], norm.reshape(1))
-        self._staging = _Staging(rec, grad, add, placements)
+        self._staging = _Staging(rec, grad, add, placements,
+                                 norm_pending=self._cur.final and self._runner.device_norms is not None)
         self._issue_staged()
 
     def resume_staging(self) -> bool:
@@ -224,19 +219,33 @@ class Pipeline:
     def _issue_staged(self) -> None:
         st = self._staging
         dtype = torch.bfloat16 if st.grad.dtype == torch.bfloat16 else torch.float32
-        while st.issued < len(st.placements):
-            pl: Placement = st.placements[st.issued]
-            if pl.new_chunk:
-                self._close_open()
-                self._open_chunk()
-            chunk = self._open
-            chunk.pieces.append(Piece(st.rec, pl.start, pl.numel, pl.offset, dtype, st.add))
-            chunk.used = align_up(pl.offset + pl.numel * dtype.itemsize)
-            self.transfer.d2h_copy(chunk.slot.view(pl.offset, pl.numel, dtype), st.grad[pl.start : pl.start + pl.numel])
-            self.stats["d2h_bytes"] += pl.numel * dtype.itemsize
-            st.issued += 1
-            if pl.close_after:
-                self._close_open()
+        with self.transfer.d2h_issue():
+            if st.norm_pending:
+                # NOTE: queued before the pieces, so the marker of the chunk holding the
+                # first piece also covers this copy: the runner reads it before stepping.
+                index = st.rec.index
+                self.transfer.d2h_norm(self._runner.device_norms[index : index + 1], st.grad)
+                st.norm_pending = False
+            # NOTE: resumable after an exception at any call (resume_staging): a chunk is
+            # opened once per placement, and a piece is added after its copy was issued and
+            # only if the open chunk's last piece is not already this one.
+            while st.issued < len(st.placements):
+                pl: Placement = st.placements[st.issued]
+                if pl.new_chunk and st.opened != st.issued:
+                    self._close_open()
+                    self._open_chunk()
+                    st.opened = st.issued
+                chunk = self._open
+                self.transfer.d2h_copy(chunk.slot.view(pl.offset, pl.numel, dtype),
+                                       st.grad[pl.start : pl.start + pl.numel])
+                last = chunk.pieces[-1] if chunk.pieces else None
+                if last is None or last.rec is not st.rec or last.start != pl.start:
+                    chunk.pieces.append(Piece(st.rec, pl.start, pl.numel, pl.offset, dtype, st.add))
+                    chunk.used = align_up(pl.offset + pl.numel * dtype.itemsize)
+                    self.stats["d2h_bytes"] += pl.numel * dtype.itemsize
+                st.issued += 1
+                if pl.close_after:
+                    self._close_open()
         self._staging = None
 
     def stage_from_host(self, recs: list) -> None:

@@ -10,9 +10,10 @@
 
 from __future__ import annotations
 
+import contextlib
 import time
 from dataclasses import dataclass
-from typing import Any, Callable, Optional
+from typing import Any, Callable, Iterator, Optional
 
 import torch
 
@@ -104,31 +105,56 @@ class CudaTransfer:
         self.d2h_stream = torch.cuda.Stream(device)
         self.h2d_stream = torch.cuda.Stream(device)
         self.compute_stream = torch.cuda.current_stream(device)
+        self._index = self.d2h_stream.device_index
 
     def set_compute_stream(self) -> None:
         """Remember the calling thread's current stream as the one forward and backward run on."""
         self.compute_stream = torch.cuda.current_stream(self.device)
 
-    def grad_ready(self) -> None:
-        """Order the D2H stream after everything queued so far on the current stream.
+    @contextlib.contextmanager
+    def d2h_issue(self) -> Iterator[None]:
+        """Make the D2H stream the current one for the block, after ordering it behind
+        everything queued so far on the current stream: ``d2h_copy`` calls go inside.
 
         NOTE: called from the gradient hook, so the current stream is the one that
         produced the gradient (the compute stream, or FSDP2's reduce-scatter stream).
-        Once this event has completed, every kernel that read the parameter in
-        this backward has completed too, which is what makes the later H2D copy
-        into the parameter safe.
+        Once the event recorded here has completed, every kernel that read the parameter
+        in this backward has completed too, which is what makes the later H2D copy into
+        the parameter safe.
+        NOTE: a hook runs once per parameter inside backward, where the autograd thread also
+        launches the GPU's work: ``torch.cuda.stream()`` and ``current_stream()`` without a
+        device cost tens of microseconds each in Python, enough to leave the GPU idle between
+        the blocks' kernels. So one switch per gradient, with the device index given.
         """
-        ready = torch.cuda.current_stream(self.device).record_event()
-        self.d2h_stream.wait_event(ready)
+        if torch.cuda.current_device() != self._index:  # not the hooks' case: the general path
+            with torch.cuda.device(self._index):
+                with self.d2h_issue():
+                    yield
+            return
+        producer = torch.cuda.current_stream(self._index)
+        self.d2h_stream.wait_event(producer.record_event())
+        torch.cuda.set_stream(self.d2h_stream)
+        try:
+            yield
+        finally:
+            torch.cuda.set_stream(producer)
 
     def d2h_copy(self, dst: torch.Tensor, src: torch.Tensor) -> None:
-        with torch.cuda.stream(self.d2h_stream):
-            dst.copy_(src, non_blocking=True)
+        """``dst.copy_(src)`` on the D2H stream (inside ``d2h_issue``)."""
+        dst.copy_(src, non_blocking=True)
         # NOTE: the caching allocator may hand the gradient's memory to the next
         # kernel on its own stream as soon as the hook drops it; recording the
         # side stream keeps the block alive until our copy has read it.
         if src.is_cuda:
             src.record_stream(self.d2h_stream)
+
+    def d2h_norm(self, dst: torch.Tensor, grad: torch.Tensor) -> None:
+        """``dst`` (one float64 host element) = |grad|_2, reduced in float64 (grad_norms.py) on
+        the D2H stream (inside ``d2h_issue``), where it overlaps the rest of backward instead
+        of delaying it: the float64 reduction of a bf16 gradient also writes and reads a
+        float64 copy of it (on an H200 about four times a float32 reduction's time)."""
+        self.d2h_copy(dst, torch.linalg.vector_norm(grad, dtype=torch.float64).reshape(1))
+        grad.record_stream(self.d2h_stream)  # NOTE: read on this stream, see d2h_copy
 
     def d2h_marker(self) -> Any:
         return self.d2h_stream.record_event()
@@ -188,11 +214,15 @@ class SyncTransfer:
     def set_compute_stream(self) -> None:
         pass
 
-    def grad_ready(self) -> None:
-        pass
+    @contextlib.contextmanager
+    def d2h_issue(self) -> Iterator[None]:
+        yield
 
     def d2h_copy(self, dst: torch.Tensor, src: torch.Tensor) -> None:
         dst.copy_(src)
+
+    def d2h_norm(self, dst: torch.Tensor, grad: torch.Tensor) -> None:
+        dst.copy_(torch.linalg.vector_norm(grad, dtype=torch.float64).reshape(1))
 
     def d2h_marker(self) -> Any:
         return None

@@ -78,6 +78,45 @@ def test_exception_in_final_backward_keeps_state_consistent(exc):
     h.check()
 
 
+@pytest.mark.parametrize("max_grad_norm", [None, 1.0])
+@pytest.mark.parametrize("after", [False, True], ids=["before", "after"])
+@pytest.mark.parametrize("call", [1, 2, 3, 4])
+def test_interrupt_while_a_gradient_is_staged_is_finished_on_recovery(monkeypatch, call, after, max_grad_norm):
+    """An exception inside a gradient hook, before or after the call that issues its norm's
+    copy (1), its gradient's copy (2), or the next parameter's (3, 4): the recovery finishes
+    the staging it interrupted, so the window steps exactly the parameters whose gradients
+    arrived, once each, as torch would."""
+    h = Harness(max_grad_norm=max_grad_norm)
+    h.train_normally(1)
+    h.window = {}
+    transfer, calls = h.opt._pipeline.transfer, [0]
+
+    def interrupting(name):
+        real = getattr(transfer, name)
+
+        def issue(*args):
+            calls[0] += 1
+            if calls[0] == call and not after:
+                raise KeyboardInterrupt
+            real(*args)
+            if calls[0] == call:
+                raise KeyboardInterrupt
+        monkeypatch.setattr(transfer, name, issue)
+    interrupting("d2h_norm")
+    interrupting("d2h_copy")
+    with pytest.raises(KeyboardInterrupt):
+        h.backward()
+    monkeypatch.undo()
+    arrived = (call + 1) // 2
+    with pytest.warns(RuntimeWarning, match=f"{arrived} of 6 parameters had their update applied"):
+        h.opt.zero_grad()
+    assert len(h.window) == arrived
+    h.ref_step(h.window)
+    h.check()
+    h.train_normally(2)
+    h.check()
+
+
 def test_exception_in_accumulation_window_discards_it():
     h = Harness(k=2)
     h.train_normally(1, k=2)
