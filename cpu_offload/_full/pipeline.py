@@ -78,6 +78,7 @@ class Chunk:
     pieces: list = field(default_factory=list)
     used: int = 0  # bytes used in the slot
     marker: Any = None  # completion of the D2H copies into the slot
+    taken: bool = False  # the worker has taken it from the queue
 
     def describe(self) -> str:
         names = []
@@ -411,11 +412,19 @@ class Pipeline:
         self._open = chunk
 
     def _close_open(self) -> None:
-        chunk, self._open = self._open, None
+        """Queue the open chunk.
+        NOTE: resumable after an exception at any point (the recovery's ``drain`` calls it
+        again): the chunk stays open until it is queued, and a chunk already queued or taken
+        by the worker is not queued again."""
+        chunk = self._open
         if chunk is None:
             return
-        chunk.marker = self.transfer.d2h_marker()
-        self._submit(chunk)
+        with self._cv:
+            queued = chunk.taken or any(c is chunk for c in self._queue)
+        if not queued:
+            chunk.marker = self.transfer.d2h_marker()
+            self._submit(chunk)
+        self._open = None
 
     def _submit(self, chunk: Chunk) -> None:
         self.trace.mark("chunk_queued", chunk.seq)
@@ -460,6 +469,7 @@ class Pipeline:
                 if not self._queue:
                     return
                 chunk = self._take()
+                chunk.taken = True
                 self._busy = chunk
                 self.trace.mark("chunk_take", chunk.seq)
                 # NOTE: after a failure the rest of the window is skipped (until
