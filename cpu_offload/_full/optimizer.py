@@ -420,7 +420,9 @@ class FullCPUOffloadOptimizer(WindowControls, torch.optim.Optimizer):
     def _settle(self, *, in_backward: bool = False) -> None:
         """Recover from a backward that raised; raise a pending worker failure once."""
         proto = self._proto
-        if proto.died == proto.gen or (proto.phase is Phase.BACKWARD and not in_backward and outside_backward()):
+        # NOTE: a backward that died before its window began (still IDLE) left nothing to recover.
+        died = proto.died == proto.gen and proto.phase is not Phase.IDLE
+        if died or (proto.phase is Phase.BACKWARD and not in_backward and outside_backward()):
             self._proto.move(Phase.ABORTED)
             self._recover()
         err = self._pipeline.take_error()

@@ -429,8 +429,11 @@ class Pipeline:
     def _submit(self, chunk: Chunk) -> None:
         self.trace.mark("chunk_queued", chunk.seq)
         with self._cv:
-            self._queue.append(chunk)
+            # NOTE: notified first: the worker wakes only once the lock is released, and an
+            # exception between the two lines then leaves the chunk unqueued (queued again on
+            # recovery) rather than queued with the worker left asleep.
             self._cv.notify_all()
+            self._queue.append(chunk)
 
     def _release_input(self, chunk: Chunk) -> None:
         """The runner has read the chunk's gradients: its D2H slot may be reused
