@@ -22,6 +22,7 @@ from typing import Any, Callable, NamedTuple, Optional
 import torch
 
 from cpu_offload import kernels
+from cpu_offload._full.grad_norms import local_norm
 from cpu_offload._full.packing import align_up
 from cpu_offload._full.trace import NO_TRACE, Trace
 from cpu_offload._full.transfer import HostRing, Slot, wait_until
@@ -278,7 +279,7 @@ class ChunkRunner:
         device_norms = None if self.accumulate else self.device_norms.tolist()
         for p in chunk.pieces:
             if self.accumulate:
-                n = float(torch.linalg.vector_norm(p.rec.accum[p.start : p.start + p.numel], dtype=torch.float64))
+                n = float(local_norm(p.rec.accum[p.start : p.start + p.numel]))
                 p.rec.grad_sq += n * n
             else:
                 n = device_norms[p.rec.index]

@@ -35,6 +35,7 @@ import psutil
 import torch
 
 from cpu_offload._full.device_kernel import BLOCK, fused_adamw_, fused_adamw_available
+from cpu_offload._full.grad_norms import local_norm
 
 __all__ = ["DeviceState", "AutoSplit", "choose_device_records", "device_bytes_per_element", "memory_reading",
            "free_memory", "auto_margin", "host_margin", "records_to_free_host", "check_fused_step"]
@@ -303,8 +304,7 @@ class DeviceState:
             window = rec.accum if self.accumulate else rec.retained
             if self._norms is None:
                 self._norms = torch.zeros(len(self.records), dtype=torch.float64, device=window.device)
-            # NOTE: float64, as the host path's norms (grad_norms.py)
-            self._norms[self._slot[id(rec)]] = torch.linalg.vector_norm(window, dtype=torch.float64)
+            self._norms[self._slot[id(rec)]] = local_norm(window)
 
     def read_norms(self) -> None:
         """Set ``grad_sq`` of the window's device records (one device-to-host read)."""

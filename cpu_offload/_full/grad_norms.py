@@ -22,7 +22,7 @@ import math
 import torch
 import torch.distributed as dist
 
-__all__ = ["check_norm_type", "total_norm", "clip_coefficient"]
+__all__ = ["check_norm_type", "local_norm", "total_norm", "clip_coefficient"]
 
 
 def check_norm_type(norm_type) -> float:
@@ -33,6 +33,12 @@ def check_norm_type(norm_type) -> float:
     if not p > 0:
         raise ValueError(f"norm_type must be a positive number or inf, got {norm_type!r}")
     return p
+
+
+def local_norm(grad: torch.Tensor, norm_type: float = 2.0) -> torch.Tensor:
+    """|grad|_p of one (local) gradient as a 0-d float64 tensor on ``grad``'s device: the
+    reduction runs in float64 (the NOTE above), whatever ``grad``'s dtype."""
+    return torch.linalg.vector_norm(grad, norm_type, dtype=torch.float64)
 
 
 def _shard_groups(rec) -> tuple:

@@ -17,6 +17,7 @@ from typing import Any, Callable, Iterator, Optional
 
 import torch
 
+from cpu_offload._full.grad_norms import local_norm
 from cpu_offload._full.packing import ALIGN_BYTES, align_up
 
 __all__ = ["HostRing", "Slot", "CudaTransfer", "SyncTransfer", "make_transfer", "wait_until"]
@@ -133,8 +134,8 @@ class CudaTransfer:
             return
         producer = torch.cuda.current_stream(self._index)
         self.d2h_stream.wait_event(producer.record_event())
-        torch.cuda.set_stream(self.d2h_stream)
-        try:
+        try:  # NOTE: the switch inside: an interrupt right after it still restores the producer
+            torch.cuda.set_stream(self.d2h_stream)
             yield
         finally:
             torch.cuda.set_stream(producer)
@@ -153,7 +154,7 @@ class CudaTransfer:
         the D2H stream (inside ``d2h_issue``), where it overlaps the rest of backward instead
         of delaying it: the float64 reduction of a bf16 gradient also writes and reads a
         float64 copy of it (on an H200 about four times a float32 reduction's time)."""
-        self.d2h_copy(dst, torch.linalg.vector_norm(grad, dtype=torch.float64).reshape(1))
+        self.d2h_copy(dst, local_norm(grad).reshape(1))
         grad.record_stream(self.d2h_stream)  # NOTE: read on this stream, see d2h_copy
 
     def d2h_marker(self) -> Any:
@@ -222,7 +223,7 @@ class SyncTransfer:
         dst.copy_(src)
 
     def d2h_norm(self, dst: torch.Tensor, grad: torch.Tensor) -> None:
-        dst.copy_(torch.linalg.vector_norm(grad, dtype=torch.float64).reshape(1))
+        dst.copy_(local_norm(grad).reshape(1))
 
     def d2h_marker(self) -> Any:
         return None

@@ -37,7 +37,7 @@ from typing import Callable, Optional
 
 import torch
 
-from cpu_offload._full.grad_norms import clip_coefficient, total_norm
+from cpu_offload._full.grad_norms import clip_coefficient, local_norm, total_norm
 from cpu_offload._full.host_state import note_versions
 from cpu_offload._common.interrupts import deferred_interrupts
 from cpu_offload._full.rollback import rollback_adamw_pieces_, rollback_sign_sgd_pieces_
@@ -94,8 +94,7 @@ class StepValidator:
             if self.from_host:
                 self._settle_chunks()  # the worker writes the host copies as it steps
             recs = self.window_records()
-            local = [float(torch.linalg.vector_norm(r.accum if self.accumulate else r.retained, norm_type,
-                                                    dtype=torch.float64)) for r in recs]
+            local = [float(local_norm(r.accum if self.accumulate else r.retained, norm_type)) for r in recs]
             self._norms[norm_type] = total_norm(list(zip(recs, local)), norm_type)
         return self.scale * self._norms[norm_type]
 
