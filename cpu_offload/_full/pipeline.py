@@ -117,13 +117,18 @@ class Pipeline:
         self.forward_order = forward_order
         self.trace = trace
         self.stats = collections.Counter()
-        self._cv = threading.Condition()
+        # NOTE: blocks take the lock itself (``with self._lock:``), not the Condition: a
+        # Condition's ``__enter__``/``__exit__`` are Python functions, and a Ctrl-C whose handler
+        # runs on entering ``__exit__`` would leave the lock held (the worker then never runs
+        # again); the C lock's own methods leave no such point.
+        self._lock = threading.RLock()
+        self._cv = threading.Condition(self._lock)
         device_norms = (torch.zeros(norm_slots, dtype=torch.float64, pin_memory=transfer.pin)
                         if norm_slots and not accumulate else None)
         self._runner = ChunkRunner(transfer=transfer, algorithm=algorithm, h2d=h2d, accumulate=accumulate,
                                    timeout_s=timeout_s, track_norms=norm_slots > 0,
                                    skip_nonfinite=skip_nonfinite and norm_slots > 0, copy_grads=copy_grads,
-                                   device_norms=device_norms, stats=self.stats, lock=self._cv,
+                                   device_norms=device_norms, stats=self.stats, lock=self._lock,
                                    release=self._release_input, diagnose=self.diagnose, trace=trace)
         self._queue: collections.deque = collections.deque()
         self._open: Optional[Chunk] = None
@@ -141,7 +146,7 @@ class Pipeline:
     # ----------------------------------------------------------- main thread
     def take_error(self) -> Optional[RuntimeError]:
         """The worker's failure as a RuntimeError naming the chunk (once), or None."""
-        with self._cv:
+        with self._lock:
             err, self._error = self._error, None
         if err is None:
             return None
@@ -152,7 +157,7 @@ class Pipeline:
 
     def reset_window(self) -> None:
         """The window is closed (after a drain): forget what it stepped, run chunks again after a failure."""
-        with self._cv:
+        with self._lock:
             self._failed = False
         self._runner.reset_window()
 
@@ -299,7 +304,7 @@ class Pipeline:
     @property
     def in_flight(self) -> bool:
         """Chunks are queued or running, or their copies to the device have not completed."""
-        with self._cv:
+        with self._lock:
             if self._queue or self._busy is not None:
                 return True
         return not all(self.transfer.is_done(s.marker) for s in self.h2d.slots)
@@ -322,7 +327,7 @@ class Pipeline:
         """Wait until each of ``recs`` has its window's step counted, or until the worker has
         nothing left to do (after a failure some stay unstepped: ``take_error`` says why)."""
         deadline = time.monotonic() + self.timeout_s
-        with self._cv:
+        with self._lock:
             while any(r.pieces_done < r.pieces_total for r in recs) and (self._queue or self._busy is not None):
                 left = deadline - time.monotonic()
                 if left <= 0:
@@ -336,7 +341,7 @@ class Pipeline:
         completed. A worker failure stays pending for ``take_error``."""
         self._close_open()
         deadline = time.monotonic() + self.timeout_s
-        with self._cv:
+        with self._lock:
             while self._queue or self._busy is not None:
                 left = deadline - time.monotonic()
                 if left <= 0:
@@ -348,7 +353,7 @@ class Pipeline:
     def close(self) -> None:
         """Stop the worker and drop the staging rings (the pinned memory is freed
         once the last view is gone)."""
-        with self._cv:
+        with self._lock:
             self._stop = True
             self._queue.clear()
             self._cv.notify_all()
@@ -360,7 +365,7 @@ class Pipeline:
         self.h2d.free()
 
     def diagnose(self) -> str:
-        with self._cv:
+        with self._lock:
             return self._diagnose()
 
     def _diagnose(self) -> str:
@@ -386,7 +391,7 @@ class Pipeline:
         t0 = time.perf_counter()
         deadline = time.monotonic() + self.timeout_s
         waited = False
-        with self._cv:
+        with self._lock:
             while True:
                 if self._stop:
                     raise RuntimeError("cpu_offload: the optimizer is closed")
@@ -419,7 +424,7 @@ class Pipeline:
         chunk = self._open
         if chunk is None:
             return
-        with self._cv:
+        with self._lock:
             queued = chunk.taken or any(c is chunk for c in self._queue)
         if not queued:
             chunk.marker = self.transfer.d2h_marker()
@@ -428,7 +433,7 @@ class Pipeline:
 
     def _submit(self, chunk: Chunk) -> None:
         self.trace.mark("chunk_queued", chunk.seq)
-        with self._cv:
+        with self._lock:
             # NOTE: notified first: the worker wakes only once the lock is released, and an
             # exception between the two lines then leaves the chunk unqueued (queued again on
             # recovery) rather than queued with the worker left asleep.
@@ -466,7 +471,7 @@ class Pipeline:
         except BaseException as e:  # surfaces at the next hook / public call
             self._error, self._failed = (e, "worker start-up"), True
         while True:
-            with self._cv:
+            with self._lock:
                 while not self._queue and not self._stop:
                     self._cv.wait()
                 if not self._queue:
@@ -484,12 +489,12 @@ class Pipeline:
                     with torch.no_grad():  # grad mode is per thread
                         self._runner.run(chunk)
             except BaseException as e:
-                with self._cv:
+                with self._lock:
                     self._failed = True
                     if self._error is None:
                         self._error = (e, chunk.describe())
             finally:
-                with self._cv:
+                with self._lock:
                     self._release_input(chunk)
                     self._busy = None
                     self.trace.mark("chunk_done", chunk.seq)

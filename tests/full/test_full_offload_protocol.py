@@ -9,6 +9,7 @@ import linecache
 import os
 import re
 import sys
+import threading
 import warnings
 
 import pytest
@@ -146,28 +147,50 @@ def test_interrupt_while_a_chunk_is_queued_is_finished_on_recovery(monkeypatch, 
     check_recovers_exactly(monkeypatch, h)
 
 
-def interrupted_backward_at_line(k: int):
+def _is_counted_line(frame, event) -> bool:
+    """A line of the optimizer or the pipeline. NOTE: not a ``with`` line: CPython reports it
+    again when the block exits, and an exception raised by a trace function there skips
+    ``__exit__``, which no real SIGINT can do (its handler runs only where the interpreter
+    checks for signals: a backward jump, a call, a Python function's entry)."""
+    return event == "line" and not linecache.getline(frame.f_code.co_filename, frame.f_lineno).lstrip().startswith("with ")
+
+
+def _is_counted_lock_call(frame, event) -> bool:
+    """The entry of a Python function of ``threading`` (a Condition's ``__enter__``,
+    ``__exit__``, ``notify_all``, ``wait``) called by the optimizer or the pipeline: where a
+    SIGINT's handler runs between taking and releasing their lock."""
+    caller = frame.f_back
+    return (event == "call" and frame.f_code.co_filename == threading.__file__ and caller is not None
+            and caller.f_code.co_filename in _TRACED)
+
+
+_TRACED = (pipeline_module.__file__, optimizer_module.__file__)
+
+
+def interrupted_backward(k: int, counted):
     """A trained Harness whose next (final) backward gets KeyboardInterrupt at the ``k``-th
-    line the optimizer and the pipeline run on this thread (the hooks, their staging and
-    queueing, the end of backward), as a Ctrl-C lands between two lines; then recovered.
-    Returns the Harness, the parameters whose step count rose, and the recovery's warnings,
-    or None if the backward ran fewer than ``k`` lines."""
+    point ``counted(frame, event)`` accepts on this thread (lines of the hooks, their staging
+    and queueing, the end of backward; or calls into ``threading``), as a Ctrl-C lands there;
+    then recovered. Returns the Harness, the parameters whose step count rose, and the
+    recovery's warnings, or None if the backward passed fewer than ``k`` such points."""
     h = Harness(timeout_s=10.0)  # NOTE: a hang fails in seconds, not in the default 600 s
     h.train_normally(1)
     h.window = {}
     before, seen = h.steps(), [0]
 
-    def line(frame, event, arg):
-        # NOTE: not at a ``with`` line: CPython reports it again when the block exits, and an
-        # interrupt raised there skips ``__exit__``, leaving the lock held (a hazard of every
-        # ``with lock:`` in Python, which a real SIGINT meets only inside ``__exit__``).
-        if event == "line" and not linecache.getline(frame.f_code.co_filename, frame.f_lineno).lstrip().startswith("with "):
+    def local(frame, event, arg):
+        if counted(frame, event):
             seen[0] += 1
             if seen[0] == k:
                 raise KeyboardInterrupt
-        return line
-    traced = (pipeline_module.__file__, optimizer_module.__file__)
-    sys.settrace(lambda frame, event, arg: line if frame.f_code.co_filename in traced else None)
+        return local
+
+    def trace(frame, event, arg):
+        if frame.f_code.co_filename in _TRACED:
+            return local(frame, event, arg)
+        local(frame, event, arg)  # a call event into another module (threading)
+        return None
+    sys.settrace(trace)
     try:
         h.backward()
     except KeyboardInterrupt:
@@ -183,14 +206,18 @@ def interrupted_backward_at_line(k: int):
     return h, stepped, [str(w.message) for w in caught]
 
 
-def test_an_interrupt_at_any_line_of_a_backward_recovers_exactly():
-    """Ctrl-C at each line full offload runs in a final backward: the recovery neither hangs
-    nor raises, steps only parameters whose gradients arrived, says how many, each as torch
-    AdamW fed that gradient, and training goes on exactly. (Before the fixes, a Ctrl-C between
-    queueing a chunk and waking the worker left it asleep, and the recovery timed out; one
-    just before the backward's window began made the next call raise ProtocolError.)"""
+@pytest.mark.parametrize("counted, at_least", [(_is_counted_line, 100), (_is_counted_lock_call, 2)],
+                         ids=["line", "lock_call"])
+def test_an_interrupt_anywhere_in_a_backward_recovers_exactly(counted, at_least):
+    """Ctrl-C at each line full offload runs in a final backward, and at the entry of each
+    ``threading`` function it calls there: the recovery neither hangs nor raises, steps only
+    parameters whose gradients arrived, says how many, each as torch AdamW fed that gradient,
+    and training goes on exactly. (Before the fixes, a Ctrl-C between queueing a chunk and
+    waking the worker left it asleep, and the recovery timed out; one just before the
+    backward's window began made the next call raise ProtocolError; one on entering a
+    Condition's ``__exit__`` left its lock held, and the worker and the recovery waited on it.)"""
     k = 0
-    while (out := interrupted_backward_at_line(k + 1)) is not None:
+    while (out := interrupted_backward(k + 1, counted)) is not None:
         k += 1
         h, stepped, said = out
         assert stepped <= set(h.window), k
@@ -204,7 +231,7 @@ def test_an_interrupt_at_any_line_of_a_backward_recovers_exactly():
         h.check()
         h.opt.close()
         assert not h.opt._pipeline._thread.is_alive(), k  # the worker was left able to stop
-    assert k > 100  # the lines of one backward of this model: every one was hit
+    assert k > at_least  # every such point of one backward of this model was hit
 
 
 def test_exception_in_accumulation_window_discards_it():
