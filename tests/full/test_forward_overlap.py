@@ -3,7 +3,7 @@
 # forward's order, each module's forward waits for its own new weights, reads outside a
 # forward wait through the optimizer, and every run equals the same run without the option
 # bit for bit: AdamW with fp32 and bf16 moments, SignSGD, clipping that redoes steps, a NaN
-# step, accumulation windows, grad_copy="host". A worker failure after step() surfaces on the
+# step, accumulation windows, grad_copy="host", part of the state on the device (gpu_state=). A worker failure after step() surfaces on the
 # caller's thread in the next forward, and an interrupt while a forward waits leaves nothing
 # behind.
 
@@ -20,6 +20,18 @@ from helpers import Gate, batches, build, phase_of, records_of, staging_rings_of
 # Rings that hold every gradient of helpers.Net (12.6 KB), in 8 KiB slots: with the kernels
 # held, backward must not wait for a slot.
 RINGS = dict(pinned_bytes=1 << 16, num_slots=4)
+
+
+# gpu_state= for about half of helpers.Net's 6293 elements with fp32 AdamW state (12 B each):
+# those parameters are stepped by the device step (on the CPU here), the rest by the worker.
+HALF_STATE = 3100 * 12
+
+
+def check_split(off, opts):
+    """With ``gpu_state``, some parameters and not all were stepped as device parameters."""
+    if "gpu_state" in opts:
+        on_device = [r.on_device for r in records_of(off)]
+        assert any(on_device) and not all(on_device), on_device
 
 
 def state_of(model, off):
@@ -67,6 +79,8 @@ def train(kind, *, overlap, steps=6, k=1, gate=None, clip=None, nan_step=None, *
     ("adamw", {"grad_copy": "host"}),
     ("adamw", {"skip_nonfinite": False}),
     ("sign_sgd", {}),
+    ("adamw", {"gpu_state": HALF_STATE}),
+    ("adamw", {"gpu_state": HALF_STATE, "state_dtype": torch.bfloat16}),
 ])
 def test_overlap_equals_the_plain_run_bit_for_bit(monkeypatch, kind, opts):
     model, off, _ = train(kind, overlap=False, **opts)
@@ -75,23 +89,28 @@ def test_overlap_equals_the_plain_run_bit_for_bit(monkeypatch, kind, opts):
     model, off, landing = train(kind, overlap=True, gate=Gate(monkeypatch), **opts)
     assert landing == 6  # every step returned with chunks in flight
     assert_same(state_of(model, off), want)
+    check_split(off, opts)
     off.close()
 
 
-@pytest.mark.parametrize("case", ["clip every step", "clip never", "nan", "accumulation", "accumulation, no guard"])
+@pytest.mark.parametrize("case", ["clip every step", "clip never", "nan", "accumulation", "accumulation, no guard",
+                                  "clip every step, half on the device", "nan, half on the device"])
 def test_validation_and_windows_under_overlap_equal_the_plain_run(monkeypatch, case):
     opts = {"clip every step": dict(clip=1e-3), "clip never": dict(clip=1e6), "nan": dict(nan_step=2),
-            "accumulation": dict(k=2), "accumulation, no guard": dict(k=2, skip_nonfinite=False)}[case]
+            "accumulation": dict(k=2), "accumulation, no guard": dict(k=2, skip_nonfinite=False),
+            "clip every step, half on the device": dict(clip=1e-3, gpu_state=HALF_STATE),
+            "nan, half on the device": dict(nan_step=2, gpu_state=HALF_STATE)}[case]
     model, off, _ = train("adamw", overlap=False, **opts)
     want, skipped = state_of(model, off), off.stats()["skipped_steps"]
     off.close()
     model, off, landing = train("adamw", overlap=True, gate=Gate(monkeypatch), **opts)
     assert_same(state_of(model, off), want)
-    assert off.stats()["skipped_steps"] == skipped == (case == "nan")
+    assert off.stats()["skipped_steps"] == skipped == case.startswith("nan")
     # A redo, a skip, or norms read from the host accumulators need the window's chunks
     # done before step() returns; the other windows overlap.
     assert landing == {"clip every step": 0, "clip never": 6, "nan": 5, "accumulation": 0,
-                       "accumulation, no guard": 6}[case]
+                       "accumulation, no guard": 6}[case.split(", half")[0]]
+    check_split(off, opts)
     off.close()
 
 
