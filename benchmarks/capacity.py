@@ -32,6 +32,7 @@
 #               more steps and time those after the split settled
 #   full_overlap, full_bf16_overlap   full / full_bf16 with overlap_forward=model: the next
 #               forward starts while the CPU steps the last chunks
+#   full_auto_overlap, full_bf16_auto_overlap   both options
 #
 # Configurations (ModelConfig of examples/llama_model.py; vocab 32000, untied head, no GQA
 # since the example's attention has none, so the counts differ a little from Llama's own):
@@ -81,17 +82,20 @@ EXAMPLES = ROOT / "examples"
 RESULT_TAG = "CAPACITY_RESULT "
 GIB = float(1 << 30)
 
-MODES = ("floor", "none", "full", "full_bf16", "full_overlap", "full_bf16_overlap", "full_auto", "full_bf16_auto")
-FULL_MODES = ("full", "full_bf16", "full_overlap", "full_bf16_overlap", "full_auto", "full_bf16_auto")
+MODES = ("floor", "none", "full", "full_bf16", "full_overlap", "full_bf16_overlap", "full_auto", "full_bf16_auto",
+         "full_auto_overlap", "full_bf16_auto_overlap")
+FULL_MODES = MODES[2:]
 DEFAULT_MODES = ("floor", "none", "full", "full_bf16", "full_auto", "full_bf16_auto")
-AUTO_MODES = ("full_auto", "full_bf16_auto")
+AUTO_MODES = ("full_auto", "full_bf16_auto", "full_auto_overlap", "full_bf16_auto_overlap")
 AUTO_WINDOWS = 3  # cpu_offload/_full/device_state.py: windows before the split settles
 # mode -> (offload=, state_dtype, dtype the model is materialised in on the device)
 MODE_OPTIONS = {"floor": (None, None, "bfloat16"), "none": ("none", "float32", "float32"),
                 "full": ("full", "float32", "bfloat16"), "full_bf16": ("full", "bfloat16", "bfloat16"),
                 "full_auto": ("full", "float32", "bfloat16"), "full_bf16_auto": ("full", "bfloat16", "bfloat16"),
                 "full_overlap": ("full", "float32", "bfloat16"),
-                "full_bf16_overlap": ("full", "bfloat16", "bfloat16")}
+                "full_bf16_overlap": ("full", "bfloat16", "bfloat16"),
+                "full_auto_overlap": ("full", "float32", "bfloat16"),
+                "full_bf16_auto_overlap": ("full", "bfloat16", "bfloat16")}
 _LLAMA = dict(vocab_size=32000)
 CONFIGS = {
     "1b": dict(_LLAMA, d_model=2048, n_layers=16, n_heads=16, ffn_dim=5632),

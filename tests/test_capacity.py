@@ -169,9 +169,10 @@ def test_profiled_floor_and_full_rows_report_efficiency(capacity, tmp_path, caps
     assert "profile: forward" in table and "effic." in table
 
 
-def test_auto_rows_time_the_steps_after_the_split_settled(capacity, tmp_path):
+@pytest.mark.parametrize("mode", ["full_bf16_auto", "full_bf16_auto_overlap"])
+def test_auto_rows_time_the_steps_after_the_split_settled(capacity, tmp_path, mode):
     out = tmp_path / "capacity.json"
-    argv = ["--modes", "full_bf16_auto", "--configs", "tiny-a", "--device", "cpu", "--tokens", "128",
+    argv = ["--modes", mode, "--configs", "tiny-a", "--device", "cpu", "--tokens", "128",
             "--seq-len", "64", "--steps", "2", "--json", str(out)]
     assert capacity.main(argv) == 0
     (row,) = json.loads(out.read_text())["rows"]
