@@ -1,13 +1,15 @@
 # CPU test of benchmarks/e2e_across_runs.py on fake e2e files: ratios to each file's own
-# `none` step, arms of a dict of reports, files without a `none` row or a kernel time skipped.
+# `none` step, arms of a dict of reports, files without a `none` row or a kernel time skipped,
+# the step against the host's floor where the probe and the model's size are known.
 import json
 
 import pytest
 from helpers import load_benchmark
 
 
-def _row(mode, steps, kernel=None):
-    return {"mode": mode, "step_times_s": steps, "offload_stats": None if kernel is None else {"kernel_s": kernel}}
+def _row(mode, steps, kernel=None, n_params=None):
+    return {"mode": mode, "step_times_s": steps, "offload_stats": None if kernel is None else {"kernel_s": kernel},
+            "n_params": n_params}
 
 
 def test_ratios_and_summary_across_files(tmp_path, capsys):
@@ -21,14 +23,35 @@ def test_ratios_and_summary_across_files(tmp_path, capsys):
     c = tmp_path / "c.json"  # no none row: skipped
     c.write_text(json.dumps({"results": [_row("full_overlap", [9.0], 9.0)]}))
     modes = {"full_overlap", "full_bf16_overlap"}
-    assert bench.ratios(a, modes) == [("full_overlap", pytest.approx(2.0), pytest.approx(1.5), pytest.approx(0.05))]
-    assert bench.ratios(b, modes) == [("full_overlap", pytest.approx(5 / 3), pytest.approx(4 / 3), pytest.approx(0.1)),
-                                      ("full_overlap", pytest.approx(2.0), pytest.approx(1.0), pytest.approx(0.3))]
+    assert bench.ratios(a, modes) == [("full_overlap", pytest.approx(2.0), pytest.approx(1.5), pytest.approx(0.05), None)]
+    assert bench.ratios(b, modes) == [
+        ("full_overlap", pytest.approx(5 / 3), pytest.approx(4 / 3), pytest.approx(0.1), None),
+        ("full_overlap", pytest.approx(2.0), pytest.approx(1.0), pytest.approx(0.3), None)]
     assert bench.ratios(c, modes) == []
     s = bench.summary(bench.ratios(a, modes) + bench.ratios(b, modes))["full_overlap"]
-    assert s["runs"] == 3
+    assert s["runs"] == 3 and s["host_floor_runs"] == 0 and "step_x_host_floor" not in s
     assert s["step_x_none"] == pytest.approx((5 / 3, 2.0, 2.0))
     assert s["kernel_x_none"] == pytest.approx((1.0, 4 / 3, 1.5))
     assert bench.main([str(a), str(b), str(c)]) == 0
     out = capsys.readouterr().out
     assert out.startswith("2 files") and "full_overlap: 3 runs" in out
+
+
+def test_the_step_against_the_floor_of_the_hosts_probe(tmp_path, capsys):
+    bench = load_benchmark("e2e_across_runs.py", "e2e_across_runs_bench")
+    # 1e9 parameters on a 100 GB/s host: 28 B each take 0.28 s with fp32 moments, 20 B 0.2 s with
+    # bf16 ones; with a 0.04 s forward the floors are 0.32 and 0.24 s.
+    f = tmp_path / "probed.json"
+    f.write_text(json.dumps({"host_bandwidth_gbs": 100.0, "results": [
+        _row("none", [0.2]), _row("full_overlap", [0.352], 0.3, n_params=10**9),
+        _row("full_bf16_overlap", [0.3], 0.25, n_params=10**9)]}))
+    modes = {"full_overlap", "full_bf16_overlap"}
+    got = {mode: floor for mode, *_, floor in bench.ratios(f, modes)}
+    assert got == {"full_overlap": pytest.approx(1.1), "full_bf16_overlap": pytest.approx(1.25)}
+    assert {mode: floor for mode, *_, floor in bench.ratios(f, modes, forward_s=0.0)} == {
+        "full_overlap": pytest.approx(0.352 / 0.28), "full_bf16_overlap": pytest.approx(1.5)}
+    s = bench.summary(bench.ratios(f, modes))
+    assert s["full_bf16_overlap"]["host_floor_runs"] == 1
+    assert s["full_bf16_overlap"]["step_x_host_floor"] == pytest.approx((1.25, 1.25, 1.25))
+    assert bench.main([str(f)]) == 0
+    assert "step_x_host_floor 1.100 / 1.100 / 1.100" in capsys.readouterr().out
