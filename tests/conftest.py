@@ -1,6 +1,8 @@
 # Shared fixtures (they apply to every test folder): the pool split over every worker, the
 # thread count and ISA restored after each test, a reset of the frameworks' process-wide
-# state between tests, and a one-rank NCCL group. Shared plain code lives in helpers.py.
+# state between tests, a one-rank NCCL group, SIGINT raising KeyboardInterrupt. Shared plain
+# code lives in helpers.py.
+import signal
 import sys
 
 import pytest
@@ -45,3 +47,13 @@ def single_rank_group():
     dist.init_process_group("nccl", init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1)
     yield
     dist.destroy_process_group()
+
+
+@pytest.fixture
+def sigint_raises():
+    """SIGINT raises KeyboardInterrupt, as at an interactive prompt. NOTE: a process started
+    in the background by a non-interactive shell inherits SIGINT ignored, Python then installs
+    no handler, and a deferred interrupt is (rightly) dropped: the test would see none."""
+    previous = signal.signal(signal.SIGINT, signal.default_int_handler)
+    yield
+    signal.signal(signal.SIGINT, previous)

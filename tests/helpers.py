@@ -1,7 +1,8 @@
 # Shared pieces of the tests (not a test module; every test folder imports it as
 # `helpers`: pyproject.toml puts tests/ on sys.path):
 #   - the ISA parametrization, seeded generators, the loading of a benchmark script as a
-#     module, a free TCP port and a backward that raises when armed;
+#     module, a free TCP port, a backward that raises when armed, and a SIGINT delivered at
+#     a chosen line of the package;
 #   - full offload's small model on CPU parameters (two param groups, a parameter used on
 #     some micro-batches only, one never used, one frozen), its training runs, and their
 #     replay with the reference or torch;
@@ -18,6 +19,8 @@
 from __future__ import annotations
 
 import importlib.util
+import linecache
+import signal
 import socket
 import sys
 import threading
@@ -70,6 +73,33 @@ def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+def sigint_at_line(k: int, call) -> tuple:
+    """Run ``call()`` with SIGINT raised at the ``k``-th line the package runs on this thread
+    (its handler then runs as a real Ctrl-C's would: at once, or where ``deferred_interrupts``
+    delivers it). Returns (whether ``call`` ran ``k`` lines, what it raised or None).
+    NOTE: not at a ``with`` line: CPython reports it again when the block exits, and an
+    exception raised by a trace function there skips ``__exit__``, which no real SIGINT can
+    do. Needs the ``sigint_raises`` fixture."""
+    package = str(Path(kernels.__file__).parent)
+    seen = [0]
+
+    def local(frame, event, arg):
+        if event == "line" and not linecache.getline(frame.f_code.co_filename, frame.f_lineno).lstrip().startswith("with "):
+            seen[0] += 1
+            if seen[0] == k:
+                signal.raise_signal(signal.SIGINT)
+        return local
+    sys.settrace(lambda frame, event, arg: local if frame.f_code.co_filename.startswith(package) else None)
+    raised = None
+    try:
+        call()
+    except BaseException as e:  # NOTE: KeyboardInterrupt is the expected one
+        raised = e
+    finally:
+        sys.settrace(None)
+    return seen[0] >= k, raised
 
 
 class Boom(torch.autograd.Function):

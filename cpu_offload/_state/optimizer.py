@@ -17,6 +17,7 @@ from __future__ import annotations
 import torch
 
 from cpu_offload._common.checks import check_int
+from cpu_offload._common.interrupts import deferred_interrupts
 from cpu_offload._state.staging import StateStaging
 from cpu_offload._common.wrapping import adopt_optimizer, load_state_dict_with_hooks, state_dict_with_hooks
 
@@ -125,6 +126,12 @@ class StateOffloadOptimizer(torch.optim.Optimizer):
         load_state_dict_with_hooks(self, state_dict, self._apply_state_dict)
 
     def _apply_state_dict(self, state_dict: dict) -> None:
+        # NOTE: a Ctrl-C lands after the load: every parameter's state loaded, the groups
+        # rewired and the state moved to the host, or (an error) the load not begun.
+        with deferred_interrupts():
+            self._load(state_dict)
+
+    def _load(self, state_dict: dict) -> None:
         self._staging.drain()  # no copy may read or write the host buffers from here on
         groups = self.param_groups
         kept = list(groups)

@@ -27,6 +27,7 @@ import torch
 
 from cpu_offload._common.backward_end import watch_backward
 from cpu_offload._common.dtensor import as_dtensor_like, local_of
+from cpu_offload._common.interrupts import deferred_interrupts
 from cpu_offload._state.copies import make_state_copies
 from cpu_offload._state.overlap import WritebackOverlap
 
@@ -193,29 +194,36 @@ class StateStaging:
 
     # -------------------------------------------------------------- step
     def run_step(self, step) -> None:
-        """Copy the rest of the state in, run ``step()``, copy all of it out."""
+        """Copy the rest of the state in, run ``step()``, copy all of it out.
+
+        NOTE: a Ctrl-C lands after the whole of it: ``_copy_out`` points each state entry at
+        its host buffer before the copy that fills the buffer is issued, so an interrupt
+        between the two left the step's new moments lost behind already updated weights; and
+        an interrupt inside the wrapped step leaves some parameters stepped and others not.
+        So the step is taken whole, or (an exception of its own) not at all."""
         start = time.perf_counter()
         self.hook_params()
         used = copied = 0
-        try:
-            with self.lock:
-                used, copied = self._bring_in()
-            step()
-        finally:
-            with self.lock:
-                d2h, overlapped = self._copy_out(self.overlap.overlap_bytes())
-                self._clear_prefetched()
-                self.window = max(self.window, self.completed)
-                self.completed = 0
-                self.arrived.clear()
-                self.arrival.clear()
-                self.prefetch_failed = False
-                h2d, self.h2d_bytes = self.h2d_bytes + copied, 0
-        self.last_stats = {"h2d_bytes": h2d, "d2h_bytes": d2h, "prefetched_bytes": used,
-                           "step_copied_bytes": copied, "overlapped_d2h_bytes": overlapped,
-                           "step_blocked_s": time.perf_counter() - start,
-                           "copy_wait_s": None if self.timing else 0.0,
-                           "host_bytes": sum(_nbytes(t) for t in self.host.values())}
+        with deferred_interrupts():
+            try:
+                with self.lock:
+                    used, copied = self._bring_in()
+                step()
+            finally:
+                with self.lock:
+                    d2h, overlapped = self._copy_out(self.overlap.overlap_bytes())
+                    self._clear_prefetched()
+                    self.window = max(self.window, self.completed)
+                    self.completed = 0
+                    self.arrived.clear()
+                    self.arrival.clear()
+                    self.prefetch_failed = False
+                    h2d, self.h2d_bytes = self.h2d_bytes + copied, 0
+            self.last_stats = {"h2d_bytes": h2d, "d2h_bytes": d2h, "prefetched_bytes": used,
+                               "step_copied_bytes": copied, "overlapped_d2h_bytes": overlapped,
+                               "step_blocked_s": time.perf_counter() - start,
+                               "copy_wait_s": None if self.timing else 0.0,
+                               "host_bytes": sum(_nbytes(t) for t in self.host.values())}
 
     def _params(self) -> list:
         """Every parameter, in the order gradients arrived, then the others."""

@@ -20,7 +20,7 @@ import torch.utils.checkpoint as cp
 from cpu_offload._full import optimizer as optimizer_module
 from cpu_offload._full import pipeline as pipeline_module
 from cpu_offload._full.optimizer import FullCPUOffloadOptimizer, Phase
-from helpers import REPLAY_HP, SMALL, Boom, ReplayRun, phase_of, records_of, staging_rings_of
+from helpers import REPLAY_HP, SMALL, Boom, ReplayRun, phase_of, records_of, sigint_at_line, staging_rings_of
 
 
 class Net(nn.Module):
@@ -232,6 +232,52 @@ def test_an_interrupt_anywhere_in_a_backward_recovers_exactly(counted, at_least)
         h.opt.close()
         assert not h.opt._pipeline._thread.is_alive(), k  # the worker was left able to stop
     assert k > at_least  # every such point of one backward of this model was hit
+
+
+def clipped_ref_step(h, max_norm):
+    """torch's step on the window's gradients clipped as ``clip_grad_norm_`` clips them."""
+    for n, p in h.ref_params.items():
+        p.grad = h.window[n].clone()
+    torch.nn.utils.clip_grad_norm_(list(h.ref_params.values()), max_norm)
+    h.ref.step()
+
+
+@pytest.mark.parametrize("warm, grad_copy", [(0, "device"), (2, "device"), (0, "host")])
+def test_a_ctrl_c_at_any_line_of_a_clipped_step_leaves_the_clipped_step(sigint_raises, warm, grad_copy):
+    """Every step clips: the first one speculates with factor 1 during backward and rolls back
+    in step(), later ones wait for their coefficient. A Ctrl-C at any line of step() leaves
+    every parameter stepped once with the clipped gradient (the update was applied during
+    backward: zero_grad() then says so), and training goes on exactly."""
+    k = 0
+    while True:
+        k += 1
+        h = Harness(timeout_s=10.0, max_grad_norm=1e-3, grad_copy=grad_copy)
+        for _ in range(warm):
+            h.window = {}
+            h.backward()
+            h.opt.step()
+            h.opt.zero_grad()
+            clipped_ref_step(h, 1e-3)
+        h.window = {}
+        h.backward()
+        hit, raised = sigint_at_line(k, h.opt.step)
+        if not hit:
+            h.opt.close()
+            break
+        assert isinstance(raised, KeyboardInterrupt), (k, raised)
+        clipped_ref_step(h, 1e-3)
+        h.check()
+        with warnings.catch_warnings():
+            warnings.filterwarnings("ignore", "cpu_offload: zero_grad\\(\\) without step\\(\\)", RuntimeWarning)
+            h.opt.zero_grad()
+        h.window = {}
+        h.backward()
+        h.opt.step()
+        h.opt.zero_grad()
+        clipped_ref_step(h, 1e-3)
+        h.check()
+        h.opt.close()
+    assert k > 100
 
 
 def test_exception_in_accumulation_window_discards_it():

@@ -161,16 +161,6 @@ def clipped_run(steps, interrupt_at=None, at_step=None):
     return off, raised, calls
 
 
-@pytest.fixture
-def sigint_raises():
-    """SIGINT raises KeyboardInterrupt, as at an interactive prompt. NOTE: a process started
-    in the background by a non-interactive shell inherits SIGINT ignored, Python then installs
-    no handler, and a deferred interrupt is (rightly) dropped: the test would see none."""
-    previous = signal.signal(signal.SIGINT, signal.default_int_handler)
-    yield
-    signal.signal(signal.SIGINT, previous)
-
-
 def test_sigint_at_each_call_of_the_rollback_leaves_the_completed_step(sigint_raises):
     # NOTE: step 0 is the one rolled back: it speculated with factor 1; the later ones are
     # deferred (stepped once with their coefficient), so they have nothing to roll back.

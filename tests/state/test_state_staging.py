@@ -4,7 +4,9 @@
 # accumulation, a parameter without gradients, clipping, a state_dict round trip
 # in the middle of a step, an exception in the middle of backward; the cap; the
 # order of the hand-offs (copy-in after the buffer's copy-out, step after every
-# copy-in, copy-out after the step); stats().
+# copy-in, copy-out after the step); stats(); a Ctrl-C at any line of step() or
+# load_state_dict() (the step taken whole or not at all, the load all or nothing).
+import copy
 import gc
 import io
 
@@ -15,7 +17,7 @@ import torch.nn as nn
 from cpu_offload import StateOffloadOptimizer, offload_optimizer
 from cpu_offload._common.dtensor import local_of
 from cpu_offload._state.copies import SyncStateCopies
-from helpers import Boom, state_staging_of
+from helpers import Boom, sigint_at_line, state_staging_of
 
 CPU = torch.device("cpu")
 
@@ -386,3 +388,73 @@ def test_fsdp2_dtensor_params(gloo_group):
             assert torch.equal(plain.state[a][key].to_local(), value.to_local())
     stats = wrapped.stats()
     assert stats["prefetched_bytes"] == stats["h2d_bytes"] == stats["d2h_bytes"] > 0  # FSDP2 ran the hooks
+
+
+def is_same(m1, plain, m2, wrapped) -> bool:
+    try:
+        assert_same(m1, plain, m2, wrapped)
+    except AssertionError:
+        return False
+    return True
+
+
+@pytest.mark.parametrize("kind", ["adamw", "sgd_momentum"])
+def test_a_ctrl_c_at_any_line_of_step_takes_the_step_whole_or_not_at_all(sigint_raises, kind):
+    """Before, a Ctrl-C after the copy-out had pointed a state entry at its host buffer but
+    before the copy into it left the weights stepped and that parameter's moments as they
+    were, with nothing said."""
+    k, outcomes = 0, set()
+    while True:
+        k += 1
+        m1, plain, m2, wrapped = pair(kind)
+        train(m1, plain, [0, 1])
+        train(m2, wrapped, [0, 1])
+        backward(m1, 2)
+        backward(m2, 2)
+        hit, raised = sigint_at_line(k, wrapped.step)
+        if not hit:
+            break
+        assert isinstance(raised, KeyboardInterrupt), (k, raised)
+        if is_same(m1, plain, m2, wrapped):  # not taken: the gradients are still there to step on
+            outcomes.add("not taken")
+            wrapped.step()
+        else:
+            outcomes.add("whole")
+        plain.step()
+        assert_same(m1, plain, m2, wrapped)
+        plain.zero_grad()
+        wrapped.zero_grad()
+        train(m1, plain, [3])
+        train(m2, wrapped, [3])
+        assert_same(m1, plain, m2, wrapped)
+    assert k > 100 and outcomes == {"not taken", "whole"}
+
+
+def test_a_ctrl_c_at_any_line_of_load_state_dict_loads_all_or_nothing(sigint_raises):
+    """Before, a Ctrl-C in the middle of the load left some parameters' state loaded and
+    others not, with nothing said."""
+    k, outcomes = 0, set()
+    while True:
+        k += 1
+        m1, plain, m2, wrapped = pair("adamw")
+        train(m1, plain, [0, 1])
+        train(m2, wrapped, [0, 1])
+        saved = copy.deepcopy(wrapped.state_dict())  # NOTE: copied per load: torch may adopt its tensors
+        train(m1, plain, [2])
+        train(m2, wrapped, [2])
+        hit, raised = sigint_at_line(k, lambda w=wrapped, s=saved: w.load_state_dict(copy.deepcopy(s)))
+        if not hit:
+            break
+        assert isinstance(raised, KeyboardInterrupt), (k, raised)
+        if is_same(m1, plain, m2, wrapped):  # untouched: load again
+            outcomes.add("untouched")
+            wrapped.load_state_dict(copy.deepcopy(saved))
+        else:
+            outcomes.add("loaded")
+        plain.load_state_dict(copy.deepcopy(saved))
+        assert_same(m1, plain, m2, wrapped)
+        assert wrapped.param_groups is wrapped.optimizer.param_groups
+        train(m1, plain, [3])
+        train(m2, wrapped, [3])
+        assert_same(m1, plain, m2, wrapped)
+    assert k > 100 and outcomes == {"untouched", "loaded"}
