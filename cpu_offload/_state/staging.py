@@ -200,7 +200,7 @@ class StateStaging:
         its host buffer before the copy that fills the buffer is issued, so an interrupt
         between the two left the step's new moments lost behind already updated weights; and
         an interrupt inside the wrapped step leaves some parameters stepped and others not.
-        So the step is taken whole, or (an exception of its own) not at all."""
+        So a Ctrl-C never leaves the step half taken."""
         start = time.perf_counter()
         self.hook_params()
         used = copied = 0
