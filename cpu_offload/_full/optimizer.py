@@ -666,17 +666,22 @@ class FullCPUOffloadOptimizer(WindowControls, torch.optim.Optimizer):
         self._enter(land=False)  # NOTE: touches nothing the worker reads: overlap_forward keeps running
         if self._proto.phase is Phase.BACKWARD:
             raise RuntimeError("zero_grad() called during a backward pass")
+        # NOTE: a Ctrl-C lands once the window is closed and the phase has moved on, as in
+        # step(): delivered in between, the call made again closed the window a second time.
+        with deferred_interrupts():
+            self._drop_window(set_to_none)
+
+    def _drop_window(self, set_to_none: bool) -> None:
         if self._proto.phase is Phase.ACCUMULATING:
             self._pipeline.drain()
             self._close_window(abandoned=True)
         elif self._proto.phase is Phase.IDLE:
             self._validator.open_window()  # a factor announced for the window being dropped
         elif self._proto.phase is Phase.APPLIED:
-            with deferred_interrupts():  # NOTE: as in step()
-                self._guarded(self._validator.apply)
-                self._guarded(self._step_device_state)
-                self._guarded(lambda: land_window(self._records, self._pipeline, self._transfer))
-                self._close_window()
+            self._guarded(self._validator.apply)
+            self._guarded(self._step_device_state)
+            self._guarded(lambda: land_window(self._records, self._pipeline, self._transfer))
+            self._close_window()
         if self._proto.phase is Phase.APPLIED and not self._proto.warned_zero_grad:
             self._proto.warned_zero_grad = True
             warnings.warn("cpu_offload: zero_grad() without step() after a window's last backward pass: full "

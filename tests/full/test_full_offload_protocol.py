@@ -280,6 +280,52 @@ def test_a_ctrl_c_at_any_line_of_a_clipped_step_leaves_the_clipped_step(sigint_r
     assert k > 100
 
 
+def zero_grad_after_a_clipped_window(k=None, **opts):
+    """A Harness that clips every step: one step, a last backward, then zero_grad() without
+    step() (the update stays applied), with SIGINT at its ``k``-th line (then zero_grad() once
+    more, as after any Ctrl-C), then one more window. Returns the Harness, or None if
+    zero_grad() ran fewer than ``k`` lines."""
+    h = Harness(timeout_s=10.0, max_grad_norm=1e-3, **opts)
+    h.window = {}
+    h.backward()
+    h.opt.step()
+    h.opt.zero_grad()
+    h.window = {}
+    h.backward()
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", "cpu_offload: zero_grad\\(\\) without step\\(\\)", RuntimeWarning)
+        if k is not None:
+            hit, raised = sigint_at_line(k, h.opt.zero_grad)
+            if not hit:
+                h.opt.close()
+                return None
+            assert isinstance(raised, KeyboardInterrupt), (k, raised)
+        h.opt.zero_grad()
+    h.window = {}
+    h.backward()
+    h.opt.step()
+    h.opt.zero_grad()
+    return h
+
+
+@pytest.mark.parametrize("opts", [{}, {"gpu_state": 3100 * 12}], ids=["host", "half_on_the_device"])
+def test_a_ctrl_c_at_any_line_of_zero_grad_after_the_last_backward_changes_nothing(sigint_raises, opts):
+    """zero_grad() after a window's last backward keeps the applied update. Before, a Ctrl-C
+    there was delivered after the window had closed but before the phase moved on: the retry
+    closed the window a second time, which reset the factor the next window speculates with,
+    so that window was stepped with factor 1 and redone (its masters 1e-4 off, not 1e-7)."""
+    want = zero_grad_after_a_clipped_window(**opts)
+    k = 0
+    while (h := zero_grad_after_a_clipped_window(k + 1, **opts)) is not None:
+        k += 1
+        assert h.steps() == want.steps(), k
+        for n, m in h.masters().items():
+            assert torch.equal(m, want.masters()[n]), (k, n)
+        h.opt.close()
+    want.opt.close()
+    assert k > 100
+
+
 def test_exception_in_accumulation_window_discards_it():
     h = Harness(k=2)
     h.train_normally(1, k=2)
