@@ -666,6 +666,8 @@ class FullCPUOffloadOptimizer(WindowControls, torch.optim.Optimizer):
         self._enter(land=False)  # NOTE: touches nothing the worker reads: overlap_forward keeps running
         if self._proto.phase is Phase.BACKWARD:
             raise RuntimeError("zero_grad() called during a backward pass")
+        if self._proto.phase is Phase.ACCUMULATING:
+            self._pipeline.drain()  # NOTE: only a wait: a Ctrl-C may still stop it
         # NOTE: a Ctrl-C lands once the window is closed and the phase has moved on, as in
         # step(): delivered in between, the call made again closed the window a second time.
         with deferred_interrupts():
@@ -673,7 +675,6 @@ class FullCPUOffloadOptimizer(WindowControls, torch.optim.Optimizer):
 
     def _drop_window(self, set_to_none: bool) -> None:
         if self._proto.phase is Phase.ACCUMULATING:
-            self._pipeline.drain()
             self._close_window(abandoned=True)
         elif self._proto.phase is Phase.IDLE:
             self._validator.open_window()  # a factor announced for the window being dropped
