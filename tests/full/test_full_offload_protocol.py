@@ -5,6 +5,7 @@
 # Every outcome torch defines is checked against torch.optim.AdamW fed the same
 # gradients (masters within fp32 rounding, step counts exact).
 
+import contextlib
 import copy
 import linecache
 import os
@@ -40,9 +41,11 @@ class Net(nn.Module):
 
 class Harness(ReplayRun):
     """A wrapped Net (``reentrant``: its first gradients arrive in a nested graph task;
-    ``freeze``: parameters frozen before wrapping) and a torch AdamW replay."""
+    ``freeze``: parameters frozen before wrapping) and a torch AdamW replay (its gradients
+    clipped as ``clip_grad_norm_`` clips them when the optimizer has ``max_grad_norm``)."""
 
     def __init__(self, k=1, reentrant=False, freeze=(), seed=0, **opts):
+        self.max_grad_norm = opts.get("max_grad_norm")
         torch.manual_seed(seed)
         model = Net(reentrant)
         for name in freeze:  # frozen parameters are not cast by the optimizer: bf16 like the inputs
@@ -62,7 +65,24 @@ class Harness(ReplayRun):
                 self.backward()
             self.opt.step()
             self.opt.zero_grad()
-            self.ref_step(self.window)
+            self.ref_window_step()
+
+    def ref_window_step(self):
+        """torch's step on the window's gradients, clipped like the optimizer's."""
+        if self.max_grad_norm is None:
+            return self.ref_step(self.window)
+        for n, p in self.ref_params.items():
+            p.grad = self.window[n].clone() if n in self.window else None
+        torch.nn.utils.clip_grad_norm_([p for p in self.ref_params.values() if p.grad is not None], self.max_grad_norm)
+        self.ref.step()
+
+
+@contextlib.contextmanager
+def applied_update_kept():
+    """zero_grad() after a window's last backward warns that the update stays applied."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", "cpu_offload: zero_grad\\(\\) without step\\(\\)", RuntimeWarning)
+        yield
 
 
 @pytest.mark.parametrize("exc", [RuntimeError("simulated OOM"), KeyboardInterrupt()])
@@ -235,14 +255,6 @@ def test_an_interrupt_anywhere_in_a_backward_recovers_exactly(counted, at_least)
     assert k > at_least  # every such point of one backward of this model was hit
 
 
-def clipped_ref_step(h, max_norm):
-    """torch's step on the window's gradients clipped as ``clip_grad_norm_`` clips them."""
-    for n, p in h.ref_params.items():
-        p.grad = h.window[n].clone()
-    torch.nn.utils.clip_grad_norm_(list(h.ref_params.values()), max_norm)
-    h.ref.step()
-
-
 @pytest.mark.parametrize("warm, opts", [(0, {}), (2, {}), (0, {"grad_copy": "host"}), (2, {"gpu_state": 3100 * 12})])
 def test_a_ctrl_c_at_any_line_of_a_clipped_step_leaves_the_clipped_step(sigint_raises, warm, opts):
     """Every step clips: the first one speculates with factor 1 during backward and rolls back
@@ -253,12 +265,7 @@ def test_a_ctrl_c_at_any_line_of_a_clipped_step_leaves_the_clipped_step(sigint_r
     while True:
         k += 1
         h = Harness(timeout_s=10.0, max_grad_norm=1e-3, **opts)
-        for _ in range(warm):
-            h.window = {}
-            h.backward()
-            h.opt.step()
-            h.opt.zero_grad()
-            clipped_ref_step(h, 1e-3)
+        h.train_normally(warm)
         h.window = {}
         h.backward()
         hit, raised = sigint_at_line(k, h.opt.step)
@@ -266,16 +273,11 @@ def test_a_ctrl_c_at_any_line_of_a_clipped_step_leaves_the_clipped_step(sigint_r
             h.opt.close()
             break
         assert isinstance(raised, KeyboardInterrupt), (k, raised)
-        with warnings.catch_warnings():
-            warnings.filterwarnings("ignore", "cpu_offload: zero_grad\\(\\) without step\\(\\)", RuntimeWarning)
+        with applied_update_kept():
             h.opt.zero_grad()  # NOTE: completes a window that step() had not closed (device records step there)
-        clipped_ref_step(h, 1e-3)
+        h.ref_window_step()
         h.check()
-        h.window = {}
-        h.backward()
-        h.opt.step()
-        h.opt.zero_grad()
-        clipped_ref_step(h, 1e-3)
+        h.train_normally(1)
         h.check()
         h.opt.close()
     assert k > 100
@@ -296,16 +298,12 @@ def call_after_a_clipped_window(name, k=None, **opts):
     as after any Ctrl-C), step() (which closes the window, or finds it closed), and one more
     window. Returns the Harness, or None if the call ran fewer than ``k`` lines."""
     h = Harness(timeout_s=10.0, max_grad_norm=1e-3, **opts)
-    for _ in range(2):
-        h.window = {}
-        h.backward()
-        h.opt.step()
-        h.opt.zero_grad()
-        h.saved = copy.deepcopy(h.opt.state_dict()) if not hasattr(h, "saved") else h.saved
+    h.train_normally(1)
+    h.saved = copy.deepcopy(h.opt.state_dict())
+    h.train_normally(1)
     h.window = {}
     h.backward()
-    with warnings.catch_warnings():
-        warnings.filterwarnings("ignore", "cpu_offload: zero_grad\\(\\) without step\\(\\)", RuntimeWarning)
+    with applied_update_kept():
         if k is not None:
             hit, raised = sigint_at_line(k, lambda: PENDING_CALLS[name](h))
             if not hit:
@@ -315,10 +313,7 @@ def call_after_a_clipped_window(name, k=None, **opts):
         PENDING_CALLS[name](h)
     h.opt.step()
     h.opt.zero_grad()
-    h.window = {}
-    h.backward()
-    h.opt.step()
-    h.opt.zero_grad()
+    h.train_normally(1)
     return h
 
 
