@@ -281,22 +281,18 @@ def cast_param(rec: ParamRecord, target: torch.dtype) -> None:
             rec.param.data = rec.param.data.to(target)
 
 
-def cast_to_compute(records: Iterable[ParamRecord], *, compute_dtype: torch.dtype, keep_fp32: set[int]) -> dict:
+def cast_to_compute(records: Iterable[ParamRecord], *, compute_dtype: torch.dtype, keep_fp32: set[int],
+                    originals: dict) -> None:
     """Cast each parameter in place to its compute dtype; parameters whose ``id``
-    is in ``keep_fp32`` become (or stay) fp32. Returns ``{id(param): original dtype}``
-    of the parameters it cast; on failure, restores those it had cast and raises.
-    """
-    originals: dict = {}
-    try:
-        for r in records:
-            target = torch.float32 if id(r.param) in keep_fp32 else compute_dtype
-            if r.param.dtype != target:
-                originals[id(r.param)] = r.param.dtype
-                cast_param(r, target)
-    except BaseException:
-        restore_dtypes(records, originals)
-        raise
-    return originals
+    is in ``keep_fp32`` become (or stay) fp32. Records ``{id(param): original dtype}``
+    in ``originals`` before each cast: the caller's, so that whatever stops the casts
+    (an error, a Ctrl-C, even on this function's last line) leaves it knowing what to
+    restore (``restore_dtypes``)."""
+    for r in records:
+        target = torch.float32 if id(r.param) in keep_fp32 else compute_dtype
+        if r.param.dtype != target:
+            originals[id(r.param)] = r.param.dtype
+            cast_param(r, target)
 
 
 def restore_dtypes(records: Iterable[ParamRecord], originals: dict) -> None:

@@ -78,21 +78,23 @@ def _user_stacklevel() -> int:
 
 def _shutdown(records, pipeline, transfer, handles, trace) -> None:
     """Release what a wrapper holds and write its trace; must not reference the wrapper (it
-    runs from a finalizer)."""
-    for handle in handles:
-        handle.remove()
-    handles.clear()
-    for rec in records:
-        if rec.hook is not None:
-            rec.hook.remove()
-            rec.hook = None
-    ownership.release(rec.param for rec in records)
-    pipeline.close()
-    try:
-        transfer.synchronize()
-    except Exception:  # the device may already be gone at interpreter exit
-        pass
-    trace.write()
+    runs from a finalizer). NOTE: whole or not at all against Ctrl-C: run by the garbage
+    collector, an interrupt is dropped where it lands, and left hooks and an owner behind."""
+    with deferred_interrupts():
+        for handle in handles:
+            handle.remove()
+        handles.clear()
+        for rec in records:
+            if rec.hook is not None:
+                rec.hook.remove()
+                rec.hook = None
+        ownership.release(rec.param for rec in records)
+        pipeline.close()
+        try:
+            transfer.synchronize()
+        except Exception:  # the device may already be gone at interpreter exit
+            pass
+        trace.write()
 
 
 class FullCPUOffloadOptimizer(WindowControls, torch.optim.Optimizer):
@@ -276,8 +278,9 @@ class FullCPUOffloadOptimizer(WindowControls, torch.optim.Optimizer):
         d2h = HostRing("d2h", num_slots=shape.d2h_slots, slot_bytes=shape.slot_bytes, pin=transfer.pin)
         h2d = HostRing("h2d", num_slots=shape.h2d_slots, slot_bytes=shape.slot_bytes, pin=transfer.pin)
         originals: dict = {}
+        handles: list = []
         try:
-            originals = cast_to_compute(records, compute_dtype=compute_dtype, keep_fp32=keep)
+            cast_to_compute(records, compute_dtype=compute_dtype, keep_fp32=keep, originals=originals)
             if grad_copy == "host":
                 allocate_retained(host_records, self._host)
             self._pipeline = Pipeline(transfer=transfer, algorithm=self._algorithm, d2h=d2h, h2d=h2d,
@@ -289,45 +292,65 @@ class FullCPUOffloadOptimizer(WindowControls, torch.optim.Optimizer):
             for rec in records:
                 rec.hook = rec.param.register_post_accumulate_grad_hook(
                     lambda param, rec=rec: None if (w := ref()) is None else w._on_grad(rec, param))
+            # NOTE: what follows registers the wrapper (its parameters' owner, their cast marks,
+            # the forward waits, the finalizer). It is quick, so a Ctrl-C waits for its end and
+            # is then undone below like any failure: else the parameters stayed owned by a
+            # wrapper nobody holds, and wrapping them again was refused.
+            with deferred_interrupts():
+                ownership.claim(records, self)
+                for rec in records:
+                    if id(rec.param) in originals:
+                        ownership.mark_cast(rec.param, originals[id(rec.param)])
+                adopt_optimizer(self, optimizer)
+                self._proto.window = grad_accum_steps
+                self.timeout_s = float(timeout_s)
+                self._records, self._frozen = records, frozen
+                self._accumulate = accumulate
+                self._transfer = transfer
+                self.grad_copy = grad_copy
+                self._validator = StepValidator(records=records, pipeline=self._pipeline,
+                                                algorithm=self._algorithm, accumulate=accumulate, grad_copy=grad_copy,
+                                                skip_nonfinite=skip_nonfinite, max_grad_norm=max_grad_norm,
+                                                stacklevel=_user_stacklevel)
+                self._pinned_bytes = d2h.nbytes + h2d.nbytes
+                self._pid = os.getpid()
+                note_versions(records)
+                self._state = StateMapping(records,
+                                           guard=lambda what: None if (w := ref()) is None else w._check_idle(what))
+                self._overlap = overlap
+                self._multi_rank = (torch.distributed.is_available() and torch.distributed.is_initialized()
+                                    and torch.distributed.get_world_size() > 1)
+                if overlap_forward is not None:
+                    handles.extend(attach_forward_waits(
+                        overlap_forward, records,
+                        wait=lambda recs, fsdp: None if (w := ref()) is None else w._await_weights(recs, fsdp),
+                        land=lambda: None if (w := ref()) is None else w.wait_for_weights()))
+                self._finalizer = weakref.finalize(self, _shutdown, records, self._pipeline, transfer, handles, trace)
+                if any(dtype.itemsize > compute_dtype.itemsize for dtype in originals.values()):
+                    watch_first_forward(self, compute_dtype)  # explains the dtype error of fp32 inputs
+                self._proto.move(Phase.IDLE)
         except BaseException:
-            for rec in records:
-                if rec.hook is not None:
-                    rec.hook.remove()
-                    rec.hook = None
-            restore_dtypes(records, originals)
-            if hasattr(self, "_pipeline"):
-                self._pipeline.close()
+            self._abort_construction(records, originals, handles)
             raise
-        ownership.claim(records, self)
+
+    def _abort_construction(self, records, originals: dict, handles: list) -> None:
+        """Undo a construction that raised: the parameters get their dtypes and values back
+        and no owner, hook or cast mark; the worker stops."""
+        finalizer = getattr(self, "_finalizer", None)
+        if finalizer is not None:
+            finalizer.detach()
+        for handle in handles:
+            handle.remove()
         for rec in records:
+            if rec.hook is not None:
+                rec.hook.remove()
+                rec.hook = None
             if id(rec.param) in originals:
-                ownership.mark_cast(rec.param, originals[id(rec.param)])
-        adopt_optimizer(self, optimizer)
-        self._proto.window = grad_accum_steps
-        self.timeout_s = float(timeout_s)
-        self._records, self._frozen = records, frozen
-        self._accumulate = accumulate
-        self._transfer = transfer
-        self.grad_copy = grad_copy
-        self._validator = StepValidator(records=records, pipeline=self._pipeline,
-                                        algorithm=self._algorithm, accumulate=accumulate, grad_copy=grad_copy,
-                                        skip_nonfinite=skip_nonfinite, max_grad_norm=max_grad_norm,
-                                        stacklevel=_user_stacklevel)
-        self._pinned_bytes = d2h.nbytes + h2d.nbytes
-        self._pid = os.getpid()
-        note_versions(records)
-        self._state = StateMapping(records, guard=lambda what: None if (w := ref()) is None else w._check_idle(what))
-        self._overlap = overlap
-        self._multi_rank = (torch.distributed.is_available() and torch.distributed.is_initialized()
-                            and torch.distributed.get_world_size() > 1)
-        handles = [] if overlap_forward is None else attach_forward_waits(
-            overlap_forward, records,
-            wait=lambda recs, fsdp: None if (w := ref()) is None else w._await_weights(recs, fsdp),
-            land=lambda: None if (w := ref()) is None else w.wait_for_weights())
-        self._finalizer = weakref.finalize(self, _shutdown, records, self._pipeline, transfer, handles, trace)
-        if any(dtype.itemsize > compute_dtype.itemsize for dtype in originals.values()):
-            watch_first_forward(self, compute_dtype)  # explains the dtype error of fp32 inputs
-        self._proto.move(Phase.IDLE)
+                ownership.unmark_cast(rec.param)
+        ownership.release(rec.param for rec in records)
+        restore_dtypes(records, originals)
+        if hasattr(self, "_pipeline"):
+            self._pipeline.close()
 
     # ------------------------------------------------------------ backward
     @torch.no_grad()

@@ -15,7 +15,8 @@ import weakref
 
 import torch
 
-__all__ = ["check_unowned", "claim", "release", "mark_cast", "check_not_cast", "check_not_ddp", "check_same_process"]
+__all__ = ["check_unowned", "claim", "release", "mark_cast", "unmark_cast", "check_not_cast", "check_not_ddp",
+           "check_same_process"]
 
 _lock = threading.Lock()
 _owners: dict = {}  # id(param) -> (weakref to the param, weakref to the owning wrapper)
@@ -74,6 +75,12 @@ def release(params) -> None:
 def mark_cast(param: torch.nn.Parameter, original: torch.dtype) -> None:
     """Remember that full offload cast this parameter from ``original`` (to its current dtype)."""
     setattr(param, _CAST_ATTR, (original, param.dtype))
+
+
+def unmark_cast(param: torch.nn.Parameter) -> None:
+    """Forget ``mark_cast``: the cast was undone (a construction that failed)."""
+    if hasattr(param, _CAST_ATTR):
+        delattr(param, _CAST_ATTR)
 
 
 def check_not_cast(records) -> None:

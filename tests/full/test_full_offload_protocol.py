@@ -7,6 +7,7 @@
 
 import contextlib
 import copy
+import gc
 import linecache
 import os
 import re
@@ -336,6 +337,55 @@ def test_a_ctrl_c_at_any_line_of_a_call_with_a_window_pending_changes_nothing(si
         h.opt.close()
     want.opt.close()
     assert k > 100
+
+
+def one_step_after(model, opt) -> dict:
+    """Wrap ``opt``, take one step on a fixed batch; the masters after it."""
+    off = FullCPUOffloadOptimizer(opt, **SMALL)
+    x = torch.randn(8, 16, generator=torch.Generator().manual_seed(7))
+    model(x.to(torch.bfloat16)).float().pow(2).mean().backward()
+    off.step()
+    masters = {id(r.param): r.master.clone() for r in records_of(off)}
+    off.close()
+    return masters
+
+
+def test_a_ctrl_c_at_any_line_of_the_construction_leaves_the_model_as_it_was(sigint_raises):
+    """Before, a Ctrl-C once the wrapper had claimed its parameters (about the last fifth of
+    the construction) left them owned by a wrapper nobody holds, cast to bf16 and marked
+    so: wrapping them again was refused. One on the casts' last line left them cast and
+    unmarked: wrapping them again took the bf16 values for the fp32 masters."""
+    def workers():
+        gc.collect()
+        return {t for t in threading.enumerate() if t.name == "cpu_offload-worker"}
+
+    running = workers()  # NOTE: those of other tests' wrappers not yet closed
+    torch.manual_seed(0)
+    fresh = Net()
+    want = list(one_step_after(fresh, torch.optim.AdamW(fresh.parameters(), **REPLAY_HP)).values())
+    k = 0
+    while True:
+        k += 1
+        torch.manual_seed(0)
+        model = Net()
+        before = {n: p.detach().clone() for n, p in model.named_parameters()}
+        opt = torch.optim.AdamW(model.parameters(), **REPLAY_HP)
+        built = []  # NOTE: holds a wrapper that was built: its finalizer must not run in the count
+        gc.disable()  # NOTE: nor may an earlier wrapper's, which would take the interrupt
+        try:
+            hit, raised = sigint_at_line(k, lambda o=opt, b=built: b.append(FullCPUOffloadOptimizer(o, **SMALL)))
+        finally:
+            gc.enable()
+        if not hit:
+            built[0].close()
+            break
+        assert isinstance(raised, KeyboardInterrupt), (k, raised)
+        for n, p in model.named_parameters():  # dtypes and values as before
+            assert p.dtype == before[n].dtype and torch.equal(p.detach(), before[n]), (k, n)
+        got = list(one_step_after(model, opt).values())  # NOTE: ``raised`` still holds the aborted wrapper
+        assert all(torch.equal(a, b) for a, b in zip(got, want)), k
+    assert workers() <= running  # every worker of an aborted construction stopped
+    assert k > 500
 
 
 def test_exception_in_accumulation_window_discards_it():
