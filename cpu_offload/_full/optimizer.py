@@ -81,20 +81,25 @@ def _shutdown(records, pipeline, transfer, handles, trace) -> None:
     runs from a finalizer). NOTE: whole or not at all against Ctrl-C: run by the garbage
     collector, an interrupt is dropped where it lands, and left hooks and an owner behind."""
     with deferred_interrupts():
-        for handle in handles:
-            handle.remove()
-        handles.clear()
-        for rec in records:
-            if rec.hook is not None:
-                rec.hook.remove()
-                rec.hook = None
-        ownership.release(rec.param for rec in records)
+        _unhook(records, handles)
         pipeline.close()
         try:
             transfer.synchronize()
         except Exception:  # the device may already be gone at interpreter exit
             pass
         trace.write()
+
+
+def _unhook(records, handles) -> None:
+    """Remove a wrapper's forward waits and gradient hooks, and its claim on the parameters."""
+    for handle in handles:
+        handle.remove()
+    handles.clear()
+    for rec in records:
+        if rec.hook is not None:
+            rec.hook.remove()
+            rec.hook = None
+    ownership.release(rec.param for rec in records)
 
 
 class FullCPUOffloadOptimizer(WindowControls, torch.optim.Optimizer):
@@ -339,15 +344,10 @@ class FullCPUOffloadOptimizer(WindowControls, torch.optim.Optimizer):
         finalizer = getattr(self, "_finalizer", None)
         if finalizer is not None:
             finalizer.detach()
-        for handle in handles:
-            handle.remove()
+        _unhook(records, handles)
         for rec in records:
-            if rec.hook is not None:
-                rec.hook.remove()
-                rec.hook = None
             if id(rec.param) in originals:
                 ownership.unmark_cast(rec.param)
-        ownership.release(rec.param for rec in records)
         restore_dtypes(records, originals)
         if hasattr(self, "_pipeline"):
             self._pipeline.close()
