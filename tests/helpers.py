@@ -75,18 +75,24 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def is_interruptible_line(frame, event) -> bool:
+    """A line event where a test may raise as a Ctrl-C would. NOTE: not at a ``with`` line:
+    CPython reports it again when the block exits, and an exception raised by a trace
+    function there skips ``__exit__``, which no real SIGINT can do (its handler runs only
+    where the interpreter checks for signals: a backward jump, a call, a function's entry)."""
+    return event == "line" and not linecache.getline(frame.f_code.co_filename, frame.f_lineno).lstrip().startswith("with ")
+
+
 def sigint_at_line(k: int, call) -> tuple:
     """Run ``call()`` with SIGINT raised at the ``k``-th line the package runs on this thread
     (its handler then runs as a real Ctrl-C's would: at once, or where ``deferred_interrupts``
-    delivers it). Returns (whether ``call`` ran ``k`` lines, what it raised or None).
-    NOTE: not at a ``with`` line: CPython reports it again when the block exits, and an
-    exception raised by a trace function there skips ``__exit__``, which no real SIGINT can
-    do. Needs the ``sigint_raises`` fixture."""
+    delivers it). Returns (whether ``call`` ran ``k`` such lines (``is_interruptible_line``),
+    what it raised or None). Needs the ``sigint_raises`` fixture."""
     package = str(Path(kernels.__file__).parent)
     seen = [0]
 
     def local(frame, event, arg):
-        if event == "line" and not linecache.getline(frame.f_code.co_filename, frame.f_lineno).lstrip().startswith("with "):
+        if is_interruptible_line(frame, event):
             seen[0] += 1
             if seen[0] == k:
                 signal.raise_signal(signal.SIGINT)
@@ -121,6 +127,9 @@ class Boom(torch.autograd.Function):
 
 # ------------------------------------------------ full offload on CPU parameters
 
+# gpu_state= for about half of Net's 6293 trained elements with fp32 AdamW state (12 B each),
+# no accumulator: those parameters are stepped by the device step (on the CPU here).
+HALF_STATE = 3100 * 12
 # Two 4 KiB slots per ring: l2's weight (4096 bf16 elements, 8 KiB) spans chunks.
 SMALL = dict(pinned_bytes=4 * 4096, num_slots=2)
 

@@ -3,9 +3,9 @@
 # forward's order, each module's forward waits for its own new weights, reads outside a
 # forward wait through the optimizer, and every run equals the same run without the option
 # bit for bit: AdamW with fp32 and bf16 moments, SignSGD, clipping that redoes steps, a NaN
-# step, accumulation windows, grad_copy="host", part of the state on the device (gpu_state=). A worker failure after step() surfaces on the
-# caller's thread in the next forward, and an interrupt while a forward waits leaves nothing
-# behind.
+# step, accumulation windows, grad_copy="host", part of the state on the device (gpu_state=).
+# A worker failure after step() surfaces on the caller's thread in the next forward, and an
+# interrupt while a forward waits leaves nothing behind.
 
 import pytest
 import torch
@@ -15,16 +15,11 @@ from cpu_offload._full.host_state import ParamRecord
 from cpu_offload._full.optimizer import FullCPUOffloadOptimizer
 from cpu_offload._full.pipeline import Chunk, Pipeline
 from cpu_offload._full.transfer import HostRing, SyncTransfer
-from helpers import Gate, batches, build, phase_of, records_of, staging_rings_of
+from helpers import HALF_STATE, Gate, batches, build, phase_of, records_of, staging_rings_of
 
 # Rings that hold every gradient of helpers.Net (12.6 KB), in 8 KiB slots: with the kernels
 # held, backward must not wait for a slot.
 RINGS = dict(pinned_bytes=1 << 16, num_slots=4)
-
-
-# gpu_state= for about half of helpers.Net's 6293 elements with fp32 AdamW state (12 B each):
-# those parameters are stepped by the device step (on the CPU here), the rest by the worker.
-HALF_STATE = 3100 * 12
 
 
 def check_split(off, opts):

@@ -8,7 +8,6 @@
 import contextlib
 import copy
 import gc
-import linecache
 import os
 import re
 import sys
@@ -23,7 +22,8 @@ import torch.utils.checkpoint as cp
 from cpu_offload._full import optimizer as optimizer_module
 from cpu_offload._full import pipeline as pipeline_module
 from cpu_offload._full.optimizer import FullCPUOffloadOptimizer, Phase
-from helpers import REPLAY_HP, SMALL, Boom, ReplayRun, phase_of, records_of, sigint_at_line, staging_rings_of
+from helpers import (REPLAY_HP, SMALL, Boom, ReplayRun, is_interruptible_line, phase_of, records_of, sigint_at_line,
+                     staging_rings_of)
 
 
 class Net(nn.Module):
@@ -38,6 +38,11 @@ class Net(nn.Module):
         if self.reentrant:  # the first gradients of backward arrive in a nested graph task
             return cp.checkpoint(self.l3, h, use_reentrant=True)
         return self.l3(h)
+
+
+# gpu_state= for about half of Net's 5508 elements with fp32 AdamW state (12 B each): l1.bias,
+# l2.bias and l3 on the device, the rest on the host.
+HALF_STATE = 3100 * 12
 
 
 class Harness(ReplayRun):
@@ -169,14 +174,6 @@ def test_interrupt_while_a_chunk_is_queued_is_finished_on_recovery(monkeypatch, 
     check_recovers_exactly(monkeypatch, h)
 
 
-def _is_counted_line(frame, event) -> bool:
-    """A line of the optimizer or the pipeline. NOTE: not a ``with`` line: CPython reports it
-    again when the block exits, and an exception raised by a trace function there skips
-    ``__exit__``, which no real SIGINT can do (its handler runs only where the interpreter
-    checks for signals: a backward jump, a call, a Python function's entry)."""
-    return event == "line" and not linecache.getline(frame.f_code.co_filename, frame.f_lineno).lstrip().startswith("with ")
-
-
 def _is_counted_lock_call(frame, event) -> bool:
     """The entry of a Python function of ``threading`` (a Condition's ``__enter__``,
     ``__exit__``, ``notify_all``, ``wait``) called by the optimizer or the pipeline: where a
@@ -228,7 +225,7 @@ def interrupted_backward(k: int, counted):
     return h, stepped, [str(w.message) for w in caught]
 
 
-@pytest.mark.parametrize("counted, at_least", [(_is_counted_line, 100), (_is_counted_lock_call, 2)],
+@pytest.mark.parametrize("counted, at_least", [(is_interruptible_line, 100), (_is_counted_lock_call, 2)],
                          ids=["line", "lock_call"])
 def test_an_interrupt_anywhere_in_a_backward_recovers_exactly(counted, at_least):
     """Ctrl-C at each line full offload runs in a final backward, and at the entry of each
@@ -256,7 +253,7 @@ def test_an_interrupt_anywhere_in_a_backward_recovers_exactly(counted, at_least)
     assert k > at_least  # every such point of one backward of this model was hit
 
 
-@pytest.mark.parametrize("warm, opts", [(0, {}), (2, {}), (0, {"grad_copy": "host"}), (2, {"gpu_state": 3100 * 12})])
+@pytest.mark.parametrize("warm, opts", [(0, {}), (2, {}), (0, {"grad_copy": "host"}), (2, {"gpu_state": HALF_STATE})])
 def test_a_ctrl_c_at_any_line_of_a_clipped_step_leaves_the_clipped_step(sigint_raises, warm, opts):
     """Every step clips: the first one speculates with factor 1 during backward and rolls back
     in step(), later ones wait for their coefficient. A Ctrl-C at any line of step() leaves
@@ -318,7 +315,7 @@ def call_after_a_clipped_window(name, k=None, **opts):
     return h
 
 
-@pytest.mark.parametrize("opts", [{}, {"gpu_state": 3100 * 12}], ids=["host", "half_on_the_device"])
+@pytest.mark.parametrize("opts", [{}, {"gpu_state": HALF_STATE}], ids=["host", "half_on_the_device"])
 @pytest.mark.parametrize("name", list(PENDING_CALLS))
 def test_a_ctrl_c_at_any_line_of_a_call_with_a_window_pending_changes_nothing(sigint_raises, name, opts):
     """Each call finishes before the interrupt is raised: made again, then training on, every

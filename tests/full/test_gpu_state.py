@@ -14,11 +14,10 @@ from cpu_offload._full import device_state
 from cpu_offload._full.device_state import device_bytes_per_element
 from cpu_offload._full.optimizer import FullCPUOffloadOptimizer
 from cpu_offload.reference import adamw_reference_
-from helpers import (SMALL, assert_same_state, batches, build, capture, host_bytes_of, named, records_of,
+from helpers import (HALF_STATE, SMALL, assert_same_state, batches, build, capture, host_bytes_of, named, records_of,
                      staging_rings_of, train_step)
 
 EVERYTHING = 1 << 40
-HALF = 3100 * 12  # about half of Net's 6293 trained elements, with fp32 AdamW state, no accumulator
 
 
 def all_host_bytes() -> tuple:
@@ -115,7 +114,7 @@ def test_a_fused_step_that_fails_its_check_warns_once_and_the_torch_operations_s
     host_model, host, _ = train("adamw", 1, 4, gpu_state=None)
     with pytest.warns(RuntimeWarning, match=r"fused AdamW step cannot be used on cpu \(RuntimeError: simulated "
                                             r"compilation failure\); .* run as torch operations") as caught:
-        split_model, split, _ = train("adamw", 1, 4, gpu_state=HALF)
+        split_model, split, _ = train("adamw", 1, 4, gpu_state=HALF_STATE)
     assert sum("fused AdamW" in str(w.message) for w in caught) == 1 and launches == [1]  # checked once
     assert any(r.on_device for r in records_of(split))
     assert_same_state(state_of(host_model, host), state_of(split_model, split))
@@ -182,9 +181,9 @@ def test_the_budget_takes_parameters_spread_evenly_over_the_order():
 
 def test_a_budget_on_a_model_stays_within_it_and_zero_keeps_all_on_the_host():
     model, opt = build("adamw")
-    off = FullCPUOffloadOptimizer(opt, gpu_state=HALF, **SMALL)
+    off = FullCPUOffloadOptimizer(opt, gpu_state=HALF_STATE, **SMALL)
     on_device = [r for r in records_of(off) if r.on_device]
-    assert 0 < len(on_device) < len(records_of(off)) and sum(r.numel * 12 for r in on_device) <= HALF
+    assert 0 < len(on_device) < len(records_of(off)) and sum(r.numel * 12 for r in on_device) <= HALF_STATE
     assert records_of(off)[0] not in on_device  # l1.weight (1536 of 6293 elements) is ahead of the budget's share
     off.close()
     model, opt = build("adamw")
@@ -202,7 +201,7 @@ def test_the_host_shortage_is_covered_by_parameters_spread_over_the_order():
     assert device_state.records_to_free_host(recs, 801, by_numel) is None  # cannot cover it
 
 
-@pytest.mark.parametrize("save_budget, load_budget", [(None, HALF), (EVERYTHING, None), (HALF, EVERYTHING)])
+@pytest.mark.parametrize("save_budget, load_budget", [(None, HALF_STATE), (EVERYTHING, None), (HALF_STATE, EVERYTHING)])
 def test_a_checkpoint_loads_with_any_split(save_budget, load_budget):
     model, saved, _ = train("adamw", 1, 3, gpu_state=save_budget)
     sd = saved.state_dict()
