@@ -303,6 +303,12 @@ def watch_rollbacks(off, seen) -> None:
     off._validator._rollback = lambda stepped: (seen(stepped), real(stepped))[1]
 
 
+def window_scale_of(off) -> float:
+    """The factor on the open window's gradients (clip coefficients, scale_grads_): during a
+    rollback for a redo, the one the redo steps with."""
+    return off._validator.scale
+
+
 def state_staging_of(opt):
     """A StateOffloadOptimizer's staging (_state/staging.py)."""
     return opt._staging

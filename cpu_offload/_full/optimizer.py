@@ -464,6 +464,7 @@ class FullCPUOffloadOptimizer(WindowControls, torch.optim.Optimizer):
         finally:
             self._close_window(abandoned=True)
             self._proto.move(Phase.IDLE)
+            self._proto.zeroed = False  # the window's gradients are discarded, not zeros
         if torn:
             raise RuntimeError(f"parameters {torn} were only partly updated when the backward pass failed; "
                                "their masters no longer match a whole step: reload the last checkpoint")
@@ -553,7 +554,8 @@ class FullCPUOffloadOptimizer(WindowControls, torch.optim.Optimizer):
         """Finish the step: wait for the optimizer work of the last backward pass.
 
         After fewer than ``grad_accum_steps`` backward passes it steps on what was
-        accumulated; with no backward pass since the last step it does nothing.
+        accumulated. With no backward pass since the last step it steps the zero gradients
+        ``zero_grad(set_to_none=False)`` left (as torch), else it does nothing.
         """
         self._enter()
         loss = None
@@ -566,12 +568,19 @@ class FullCPUOffloadOptimizer(WindowControls, torch.optim.Optimizer):
         self._check_frozen()
         self._check_no_bypassed_grads()
         t0, blocked_before = time.perf_counter(), self._proto.blocked_s
-        if self._proto.phase is Phase.IDLE:
+        holding = self._proto.zeroed and any(r.holds_grad for r in self._records)
+        if self._proto.phase is Phase.IDLE and not holding:
             self._validator.open_window()  # a factor announced for a window that never ran
             return loss
         self._pipeline.trace.mark("step_begin", at=t0)
         passes = self.grad_accum_steps if self._proto.phase is Phase.APPLIED else self._proto.micro
-        if self._proto.phase is Phase.ACCUMULATING:  # a short window
+        if self._proto.phase is Phase.IDLE:
+            # NOTE: after zero_grad(set_to_none=False) torch's step() steps every parameter
+            # holding a gradient, here zeros, though no backward ran: a window of no passes.
+            # (After a step() and no zero_grad, torch would step its kept gradients again:
+            # they are not kept here, so that step() does nothing; README.)
+            adopt_external_weights(self._records)
+        if self._proto.phase in (Phase.IDLE, Phase.ACCUMULATING):  # a short window
             self._pipeline.begin_backward(micro=self._proto.micro, final=True, hparams=self._read_hparams())
             self._proto.final = True
             self._complete_window()
@@ -602,6 +611,7 @@ class FullCPUOffloadOptimizer(WindowControls, torch.optim.Optimizer):
                      grad_norm=v.grad_norm, clip_coef=v.clip_coef, skipped=v.skipped)
         self._close_window(landing=landing)
         self._proto.move(Phase.IDLE)
+        self._proto.zeroed = self._proto.zeroed and not passes  # torch's .grad now holds this window's
         self._proto.blocked_s = 0.0
         self._proto.landing_stats = stats
         self._proto.landing = landing
@@ -712,7 +722,7 @@ class FullCPUOffloadOptimizer(WindowControls, torch.optim.Optimizer):
                           "offload applied that update during backward; it stays applied and counts as a step",
                           RuntimeWarning, stacklevel=_user_stacklevel())
         self._proto.move(Phase.IDLE)
-        self._proto.zero_fill = not set_to_none
+        self._proto.zero_fill = self._proto.zeroed = not set_to_none
         if set_to_none:
             for rec in self._records:
                 rec.holds_grad = False

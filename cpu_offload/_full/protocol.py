@@ -48,6 +48,8 @@ TRANSITIONS = {
     (Phase.BACKWARD, Phase.ACCUMULATING): "a pass before the window's last one ended",
     (Phase.BACKWARD, Phase.APPLIED): "the window's last pass ended: its update landed and was validated",
     (Phase.ACCUMULATING, Phase.APPLIED): "step() in a short window: the update ran on what was accumulated",
+    (Phase.IDLE, Phase.APPLIED): "step() with no backward after zero_grad(set_to_none=False): the kept zero "
+                                 "gradients were stepped",
     (Phase.APPLIED, Phase.IDLE): "step(), zero_grad() or load_state_dict() closed the window",
     (Phase.ACCUMULATING, Phase.IDLE): "zero_grad() discarded the window",
     (Phase.IDLE, Phase.IDLE): "zero_grad() between windows",
@@ -79,6 +81,7 @@ class ProtocolState:
     gen: int = 0  # identifies the watched backward; stale signals carry an older one
     died: int = -1  # generation of a backward that raised, until recovered
     zero_fill: bool = False  # zero_grad(set_to_none=False): step grad-less parameters with zeros
+    zeroed: bool = False  # no window was stepped since that zero_grad: torch's .grad tensors hold zeros
     warned_zero_grad: bool = False
     blocked_s: float = 0.0
     last_stats: dict = field(default_factory=dict)

@@ -501,6 +501,42 @@ def test_zero_grad_set_to_none_false_steps_like_torch():
     assert records_of(h.opt)[0].step == 4
 
 
+@pytest.mark.parametrize("gpu_state", [None, HALF_STATE], ids=["host", "half on the device"])
+@pytest.mark.parametrize("k", [1, 2])
+def test_step_with_no_backward_after_zero_grad_set_to_none_false_steps_the_zero_gradients_like_torch(k, gpu_state):
+    # torch's step() steps every parameter holding a gradient, zero or not: weight decay,
+    # the moments' decay and the step count move although no backward ran.
+    h = Harness(k=k, gpu_state=gpu_state)
+    h.train_normally(1, k=k)
+    h.window = {}
+    for _ in range(k):
+        h.backward()
+    h.opt.step()
+    h.opt.zero_grad(set_to_none=False)  # every parameter now holds a zero gradient in torch
+    h.ref_step(h.window)
+    zeros = {n: torch.zeros_like(p) for n, p in h.ref_params.items()}
+    for _ in range(2):
+        h.opt.step()
+        h.ref_step(zeros)
+        h.check()
+        assert h.opt.stats()["backward_passes"] == 0
+    h.opt.zero_grad(set_to_none=True)  # now nothing holds a gradient: step() does nothing, as in torch
+    before = h.masters()
+    h.opt.step()
+    assert all(torch.equal(before[n], m) for n, m in h.masters().items())
+    h.train_normally(2, k=k)
+    h.opt.zero_grad(set_to_none=False)
+    h.window = {}
+    for _ in range(k):
+        h.backward()
+    h.opt.step()
+    h.ref_step(h.window)
+    before = h.masters()
+    h.opt.step()  # torch would step its kept gradients again (README): they are not kept, not zeros
+    assert all(torch.equal(before[n], m) for n, m in h.masters().items())
+    h.check()
+
+
 def test_unfrozen_parameter_is_refused_clearly():
     h = Harness(freeze=("l1.weight",))
     h.train_normally(1)

@@ -33,8 +33,8 @@ def test_the_documented_table_is_the_code_table():
 def test_a_transition_outside_the_table_raises():
     state = ProtocolState()
     state.move(Phase.IDLE)
-    with pytest.raises(ProtocolError, match="IDLE -> APPLIED"):
-        state.move(Phase.APPLIED)
+    with pytest.raises(ProtocolError, match="IDLE -> ACCUMULATING"):
+        state.move(Phase.ACCUMULATING)
     assert state.phase is Phase.IDLE
     state.move(Phase.CLOSED)
     with pytest.raises(ProtocolError):
@@ -66,6 +66,8 @@ def test_a_training_loop_takes_only_table_transitions(monkeypatch):
     backward()  # a short window, clipped in its middle
     opt.clip_grad_norm_(1e-3)
     opt.step()
+    opt.zero_grad(set_to_none=False)
+    opt.step()  # no backward: steps the zero gradients torch keeps
     backward()
     opt.zero_grad()  # an abandoned window
     opt.zero_grad()
@@ -77,6 +79,7 @@ def test_a_training_loop_takes_only_table_transitions(monkeypatch):
         opt.zero_grad()  # recovers the aborted backward
     opt.close()
     assert taken and all(pair in TRANSITIONS for pair in taken)
+    assert (Phase.IDLE, Phase.APPLIED) in taken
     phases = {p for pair in taken for p in pair}
     assert {Phase.BACKWARD, Phase.ACCUMULATING, Phase.APPLIED, Phase.ABORTED, Phase.CLOSED} <= phases
     assert re.search(r"ProtocolState\.move", DOC.read_text())

@@ -1,0 +1,373 @@
+# Random training loops against full offload. Each seed draws one program of windows that
+# mixes what real loops do: accumulation windows of varying and short length, windows
+# dropped by zero_grad() without step(), step() with no backward, clipping by call or by
+# option, NaN losses, gradient factors announced before the last backward or given after
+# it, zero_grad with and without set_to_none, parameters that get no gradient, learning-rate
+# and weight-decay changes, weights edited outside the optimizer, and resumes from a
+# checkpoint into a new model and wrapper. The program runs on configurations that the
+# numerics contract says step bit for bit alike (ring sizes, grad_copy, overlap_forward,
+# part of the state on the device), compared after every window, and each run is checked
+# against torch.optim.AdamW emulated literally (its .grad tensors, clip_grad_norm_,
+# zero_grad) on the gradients the run computed.
+
+import math
+import random
+import warnings
+from dataclasses import dataclass, field
+from typing import Optional
+
+import pytest
+import torch
+import torch.nn as nn
+
+import cpu_offload
+from cpu_offload import SignSGD
+from helpers import HALF_STATE, SMALL, Net, normwise, watch_rollbacks, window_scale_of
+
+HP = dict(lr=1e-2, betas=(0.9, 0.95), eps=1e-8)
+LARGEST = 3  # the largest window: the optimizers are built with it
+WINDOWS = 24
+
+
+@dataclass
+class Window:
+    k: int  # opt.grad_accum_steps for this window
+    passes: int  # backward passes run (< k: a short window; 0: step() with nothing)
+    scales: list  # loss factor per pass (NaN: the step is skipped)
+    extra: list  # per pass: whether Net.extra gets a gradient
+    drop: bool = False  # zero_grad() without step()
+    announce: Optional[float] = None  # scale_grads_ before the last backward
+    late: Optional[float] = None  # scale_grads_ after the last backward
+    clip: Optional[float] = None  # clip_grad_norm_(clip, norm_type) before step()
+    norm_type: float = 2.0
+    mid_clip: Optional[tuple] = None  # (pass, max_norm): clip_grad_norm_ after that pass, not the last
+    mid_lr: Optional[tuple] = None  # (group, new lr) after the first pass, before the last one starts
+    peek: bool = False  # state_dict() in the middle of the window: refused, nothing changes
+    round_trip: bool = False  # load_state_dict(state_dict()) before the window, as accelerate's set-up
+    set_to_none: bool = True
+    lr: Optional[tuple] = None  # (group, new lr) before the window
+    weight_decay: Optional[tuple] = None  # (group, new weight decay) before the window
+    edit: bool = False  # l2.weight halved outside the optimizer before the window
+    resume: bool = False  # checkpoint after the window; a new model and wrapper load it
+
+
+@dataclass
+class Program:
+    seed: int
+    algorithm: str  # "adamw" or "sign_sgd"
+    max_grad_norm: Optional[float]
+    windows: list = field(default_factory=list)
+
+
+def draw(seed: int, algorithm: str) -> Program:
+    rng = random.Random(seed)
+    clipping = rng.choice(["none", "call", "option"])
+    program = Program(seed, algorithm, max_grad_norm=0.05 if clipping == "option" else None)
+    for _ in range(WINDOWS):
+        k = rng.randint(1, LARGEST)
+        passes = k if rng.random() < 0.75 else rng.randint(0, k - 1) if k > 1 else rng.choice([0, 1])
+        w = Window(k, passes, scales=[10 ** rng.uniform(-1, 1) for _ in range(passes)],
+                   extra=[rng.random() < 0.4 for _ in range(passes)])
+        if passes and rng.random() < 0.06:
+            w.scales[rng.randrange(passes)] = math.nan
+        w.drop = passes > 0 and rng.random() < 0.1
+        if passes and rng.random() < 0.2:
+            w.announce = 2 ** rng.uniform(-2, 2)
+        if passes and not w.drop and rng.random() < 0.2:
+            w.late = 2 ** rng.uniform(-2, 2)
+        if clipping == "call" and passes and not w.drop and rng.random() < 0.7:
+            w.clip = rng.choice([0.02, 0.05, 0.2, 1e3])
+            w.norm_type = rng.choice([2.0, 2.0, 1.0, math.inf])
+        if clipping == "call" and passes > 1 and rng.random() < 0.3:
+            w.mid_clip = (rng.randrange(passes - 1), rng.choice([0.02, 0.2]))
+        if passes > 1 and rng.random() < 0.2:
+            w.mid_lr = (rng.randrange(2), HP["lr"] * 2 ** rng.uniform(-2, 1))
+        w.peek = passes > 1 and rng.random() < 0.1
+        w.round_trip = rng.random() < 0.1
+        w.set_to_none = rng.random() < 0.6
+        if rng.random() < 0.2:
+            w.lr = (rng.randrange(2), HP["lr"] * 2 ** rng.uniform(-2, 1))
+        if rng.random() < 0.1:
+            w.weight_decay = (rng.randrange(2), rng.choice([0.0, 0.01, 0.1]))
+        w.edit = rng.random() < 0.08
+        w.resume = rng.random() < 0.12
+        program.windows.append(w)
+    return program
+
+
+def groups_of(model):
+    p = dict(model.named_parameters())
+    return [{"params": [p["l1.weight"], p["l1.bias"], p["head.weight"], p["head.bias"], p["unused"], p["frozen"]],
+             "weight_decay": 0.1},
+            {"params": [p["l2.weight"], p["l2.bias"], p["extra"]], "lr": HP["lr"] * 0.3, "weight_decay": 0.02}]
+
+
+def optimizer(groups, algorithm):
+    return torch.optim.AdamW(groups, **HP) if algorithm == "adamw" else SignSGD(groups, lr=HP["lr"] * 0.1)
+
+
+def batch(seed, window, m):
+    return torch.randn(4, 24, generator=torch.Generator().manual_seed(seed * 100003 + window * 31 + m))
+
+
+class TorchEmulation:
+    """The torch optimizer on fp32 copies of the weights, driven as a torch loop drives it: its
+    ``.grad`` tensors accumulate the run's gradients, then scale, clip, step and zero_grad,
+    except that a step with a NaN or Inf gradient is skipped (the wrapper's skip_nonfinite)."""
+
+    def __init__(self, model, algorithm):
+        self.params = {n: nn.Parameter(p.detach().float().clone(), requires_grad=p.requires_grad)
+                       for n, p in model.named_parameters()}
+        by_id = {id(p): n for n, p in model.named_parameters()}
+        groups = [{**{k: v for k, v in g.items() if k != "params"},
+                   "params": [self.params[by_id[id(p)]] for p in g["params"] if p.requires_grad]}
+                  for g in groups_of(model)]
+        self.opt = optimizer(groups, algorithm)
+
+    def add(self, grads):
+        for n, g in grads.items():
+            p = self.params[n]
+            p.grad = g.clone() if p.grad is None else p.grad + g
+
+    def with_grad(self):
+        return [p for p in self.params.values() if p.grad is not None]
+
+    def scale(self, factor):
+        for p in self.with_grad():
+            p.grad.mul_(factor)
+
+    def clip(self, max_norm, norm_type=2.0):
+        return float(torch.nn.utils.clip_grad_norm_(self.with_grad(), max_norm, norm_type))
+
+    def step(self):
+        if all(torch.isfinite(p.grad).all() for p in self.with_grad()):
+            self.opt.step()
+
+    def zero_grad(self, set_to_none):
+        self.opt.zero_grad(set_to_none=set_to_none)
+
+    def resumed(self):
+        """A resume starts with no ``.grad``, as a fresh model has none."""
+        self.opt.zero_grad(set_to_none=True)
+
+
+class Run:
+    """One program on one configuration: ``options(model, resumes)`` gives the wrapper's
+    options for the ``resumes``-th model (0 for the first)."""
+
+    def __init__(self, program: Program, options, *, state_dtype=torch.float32):
+        self.program, self.options, self.state_dtype = program, options, state_dtype
+        self.resumes = 0
+        torch.manual_seed(program.seed)
+        self.model = Net()
+        self.torch = TorchEmulation(self.model, program.algorithm) if state_dtype == torch.float32 else None
+        self.rollbacks, self.rollback_error = 0, 0.0
+        self._wrap()
+
+    def _wrap(self, state=None):
+        self.passes = {}  # name -> [gradient of each backward pass in the window]
+        for n, p in self.model.named_parameters():
+            if p.requires_grad:  # registered first: runs before the wrapper's hook
+                p.register_post_accumulate_grad_hook(
+                    lambda p, n=n: self.passes.setdefault(n, []).append(p.grad.detach().float().clone()))
+        extra = dict(state_dtype=self.state_dtype) if self.program.algorithm == "adamw" else {}
+        self.opt = cpu_offload.offload_optimizer(
+            optimizer(groups_of(self.model), self.program.algorithm), offload="full", grad_accum_steps=LARGEST,
+            max_grad_norm=self.program.max_grad_norm, **extra, **self.options(self.model, self.resumes))
+        if state is not None:
+            self.opt.load_state_dict(state)
+        watch_rollbacks(self.opt, self._rolled_back)
+
+    def _rolled_back(self, stepped) -> None:
+        """The documented error of a rollback and redo: about 2**-24 * r**2 relative on the
+        second moment, r the factor the step speculated with over the final one (clipping.md);
+        the tolerance against torch grows by four times that, summed over the rollbacks."""
+        if not stepped:
+            return
+        self.rollbacks += 1
+        final = window_scale_of(self.opt)
+        r = max([1.0] + [piece.hparams["grad_scale"] / final for piece in stepped if final > 0])
+        self.rollback_error += 2.0**-22 * r * r
+
+    def _set(self, change, key):
+        if change is not None:
+            self.opt.param_groups[change[0]][key] = change[1]
+            if self.torch is not None:
+                self.torch.opt.param_groups[change[0]][key] = change[1]
+
+    def window(self, i: int, w: Window) -> dict:
+        opt, model, ref = self.opt, self.model, self.torch
+        self._set(w.lr, "lr")
+        self._set(w.weight_decay, "weight_decay")
+        if w.round_trip:
+            opt.load_state_dict(opt.state_dict())
+        if w.edit:
+            opt.wait_for_weights()
+            with torch.no_grad():
+                model.l2.weight.mul_(0.5)
+            if ref is not None:
+                ref.params["l2.weight"].data.copy_(model.l2.weight.detach().float())
+        opt.grad_accum_steps = w.k
+        for m in range(w.passes):
+            if m == w.passes - 1 and w.announce is not None:
+                opt.scale_grads_(w.announce)
+            loss = model(batch(self.program.seed, i, m).to(torch.bfloat16), use_extra=w.extra[m]).float().pow(2).mean()
+            (loss * w.scales[m]).backward()
+            if ref is not None:
+                ref.add({n: g[-1] for n, g in self.passes.items()})
+                self.passes.clear()
+                if m == w.passes - 1 and w.announce is not None:
+                    ref.scale(w.announce)
+            if w.mid_clip is not None and w.mid_clip[0] == m:
+                got = float(opt.clip_grad_norm_(w.mid_clip[1]))
+                if ref is not None:
+                    check_norm(got, ref.clip(w.mid_clip[1]), (i, m))
+            if m == 0 and w.passes > 1:
+                self._set(w.mid_lr, "lr")
+                if w.peek:
+                    before = self.state_now()
+                    with pytest.raises(RuntimeError, match="call it after step"):
+                        opt.state_dict()
+                    assert_bit_equal(self.state_now(), before, f"window {i}: state_dict() refused")
+        norm = None
+        if ref is not None:
+            # NOTE: max_grad_norm clips when the window's last backward ends: before a factor
+            # given after it; a short window ends at step(), after that factor.
+            complete, option = w.passes == w.k, self.program.max_grad_norm
+            if complete and option is not None:
+                ref.clip(option)
+            if w.late is not None:
+                ref.scale(w.late)
+            if not complete and not w.drop and option is not None:
+                ref.clip(option)
+            if w.clip is not None:
+                norm = ref.clip(w.clip, w.norm_type)
+            if complete or not w.drop:
+                ref.step()
+            ref.zero_grad(w.set_to_none)
+        if w.late is not None:
+            opt.scale_grads_(w.late)
+        got_norm = float(opt.clip_grad_norm_(w.clip, w.norm_type)) if w.clip is not None else None
+        if not w.drop:
+            opt.step()
+        opt.zero_grad(set_to_none=w.set_to_none)
+        if norm is not None:
+            check_norm(got_norm, norm, i)
+        state = self.state()
+        if w.resume:
+            self._resume()
+        return state
+
+    def _resume(self):
+        opt_state = clone(self.opt.state_dict())
+        model_state = clone(self.model.state_dict())
+        self.opt.close()
+        self.resumes += 1
+        torch.manual_seed(self.program.seed)
+        self.model = Net()
+        self.model.load_state_dict(model_state)
+        self._wrap(opt_state)
+        if self.torch is not None:
+            self.torch.resumed()
+
+    def state(self) -> dict:
+        """Everything a later step depends on: the checkpoint and the compute copies."""
+        return {"optim": clone(self.opt.state_dict()), "model": clone(self.model.state_dict())}
+
+    def state_now(self) -> dict:
+        """In the middle of a window: the host state and the compute copies."""
+        return {"optim": {n: clone(v) for n, v in self.opt.state.items()}, "model": clone(self.model.state_dict())}
+
+    def check_against_torch(self, i: int) -> None:
+        params = [p for g in groups_of(self.model) for p in g["params"]]
+        index_of = {id(p): j for j, p in enumerate(params)}
+        state = self.opt.state_dict()["state"]
+        for n, p in self.model.named_parameters():
+            if not p.requires_grad:
+                continue
+            ours, ref_p = state[index_of[id(p)]], self.torch.params[n]
+            theirs = self.torch.opt.state.get(ref_p, {})
+            master, tol = ours["master"].view(ref_p.shape), 1e-5 + self.rollback_error
+            assert normwise(master, ref_p.detach()) < tol, (i, n)
+            assert torch.equal(p.detach(), master.to(torch.bfloat16)), (i, n)
+            if self.program.algorithm != "adamw":
+                continue
+            assert int(ours["step"]) == int(theirs.get("step", 0)), (i, n, int(ours["step"]), theirs.get("step"))
+            if theirs:
+                assert normwise(ours["exp_avg"].view(ref_p.shape), theirs["exp_avg"]) < tol, (i, n)
+                assert normwise(ours["exp_avg_sq"].view(ref_p.shape), theirs["exp_avg_sq"]) < tol, (i, n)
+
+    def close(self):
+        self.opt.close()
+
+
+def check_norm(got, want, where):
+    """The returned norm (accumulated in float64) against torch's float32 one."""
+    if math.isfinite(want):
+        assert abs(got - want) <= 1e-5 * want, (where, got, want)
+    else:
+        assert not math.isfinite(got), (where, got, want)
+
+
+def clone(obj):
+    if torch.is_tensor(obj):
+        return obj.detach().clone()
+    if isinstance(obj, dict):
+        return {k: clone(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return type(obj)(clone(v) for v in obj)
+    return obj
+
+
+def assert_bit_equal(a, b, where):
+    if torch.is_tensor(a):
+        assert torch.equal(a, b) or (a.dtype.is_floating_point and torch.equal(a.isnan(), b.isnan())
+                                     and torch.equal(a.nan_to_num(), b.nan_to_num())), where
+    elif isinstance(a, dict):
+        assert a.keys() == b.keys(), where
+        for k in a:
+            assert_bit_equal(a[k], b[k], f"{where}/{k}")
+    else:
+        assert a == b, where
+
+
+# Configurations whose every window must step bit for bit like SMALL's (the one checked
+# against torch): the bytes per chunk, where the kept gradient lives, the step's tail
+# overlapped with the next forward. ``device`` keeps about half of the state on the device
+# (the CPU here) and takes the other half at each resume: bit for bit as long as no step was
+# rolled back (a device parameter is stepped once, when the window closes).
+CONFIGS = {
+    "small rings": lambda model, resumes: dict(SMALL),
+    "one chunk": lambda model, resumes: dict(pinned_bytes=4 * 65536, num_slots=4),
+    "host grad copy": lambda model, resumes: dict(SMALL, grad_copy="host"),
+    "overlap_forward": lambda model, resumes: dict(SMALL, overlap_forward=model),
+    "device": lambda model, resumes: dict(SMALL, gpu_state=HALF_STATE if resumes % 2 == 0 else 0),
+}
+
+
+def run_program(seed, algorithm, state_dtype=torch.float32):
+    program = draw(seed, algorithm)
+    runs = {name: Run(program, options, state_dtype=state_dtype) for name, options in CONFIGS.items()}
+    base = runs["small rings"]
+    try:
+        with warnings.catch_warnings():
+            warnings.filterwarnings("ignore", "cpu_offload: (zero_grad|optimizer step skipped)", RuntimeWarning)
+            for i, w in enumerate(program.windows):
+                states = {name: run.window(i, w) for name, run in runs.items()}
+                for name, run in runs.items():
+                    if run.torch is not None:
+                        run.check_against_torch(i)
+                    if name == "device" and base.rollbacks:
+                        continue
+                    assert_bit_equal(states[name], states["small rings"], f"window {i} ({w}), {name}")
+    finally:
+        for run in runs.values():
+            run.close()
+    return program
+
+
+@pytest.mark.parametrize("algorithm, state_dtype", [("adamw", torch.float32), ("adamw", torch.bfloat16),
+                                                    ("sign_sgd", torch.float32)], ids=["adamw", "adamw-bf16", "sign_sgd"])
+@pytest.mark.parametrize("seed", range(6))
+def test_a_random_program_steps_alike_on_every_configuration_and_like_torch(seed, algorithm, state_dtype):
+    run_program(seed, algorithm, state_dtype)
