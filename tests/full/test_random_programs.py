@@ -13,6 +13,7 @@
 import math
 import random
 import warnings
+from unittest import mock
 from dataclasses import dataclass, field
 from typing import Optional
 
@@ -22,7 +23,8 @@ import torch.nn as nn
 
 import cpu_offload
 from cpu_offload import SignSGD
-from helpers import HALF_STATE, SMALL, Net, normwise, watch_rollbacks, window_scale_of
+from cpu_offload._full import device_state
+from helpers import HALF_STATE, SMALL, Net, normwise, records_of, watch_rollbacks, window_scale_of
 
 HP = dict(lr=1e-2, betas=(0.9, 0.95), eps=1e-8)
 LARGEST = 3  # the largest window: the optimizers are built with it
@@ -162,6 +164,7 @@ class Run:
         self.model = Net()
         self.torch = TorchEmulation(self.model, program.algorithm) if state_dtype == torch.float32 else None
         self.rollbacks, self.rollback_error = 0, 0.0
+        self.moved = False  # some state was on the device after a window
         self._wrap()
 
     def _wrap(self, state=None):
@@ -254,6 +257,7 @@ class Run:
         if norm is not None:
             check_norm(got_norm, norm, i)
         state = self.state()
+        self.moved = self.moved or any(r.on_device for r in records_of(opt))
         if w.resume:
             self._resume()
         return state
@@ -334,19 +338,29 @@ def assert_bit_equal(a, b, where):
 # Configurations whose every window must step bit for bit like SMALL's (the one checked
 # against torch): the bytes per chunk, where the kept gradient lives, the step's tail
 # overlapped with the next forward. ``device`` keeps about half of the state on the device
-# (the CPU here) and takes the other half at each resume: bit for bit as long as no step was
-# rolled back (a device parameter is stepped once, when the window closes).
+# (the CPU here) and takes the other half at each resume, ``auto`` moves what a fake device's
+# memory reading leaves room for after the third window: both bit for bit as long as no step
+# was rolled back (a device parameter is stepped once, when the window closes).
 CONFIGS = {
     "small rings": lambda model, resumes: dict(SMALL),
     "one chunk": lambda model, resumes: dict(pinned_bytes=4 * 65536, num_slots=4),
     "host grad copy": lambda model, resumes: dict(SMALL, grad_copy="host"),
     "overlap_forward": lambda model, resumes: dict(SMALL, overlap_forward=model),
     "device": lambda model, resumes: dict(SMALL, gpu_state=HALF_STATE if resumes % 2 == 0 else 0),
+    "auto": lambda model, resumes: dict(SMALL, gpu_state="auto"),
 }
+SPLIT = ("device", "auto")
+# The fake device for "auto": 4 GiB (its margin) + 40000 bytes, windows peaking at 1000 bytes.
+AUTO_READING = (4 * (1 << 30) + 40_000, 1000)
 
 
 def run_program(seed, algorithm, state_dtype=torch.float32):
     program = draw(seed, algorithm)
+    with mock.patch.object(device_state, "memory_reading", lambda device: AUTO_READING):
+        run_configs(program, state_dtype)
+
+
+def run_configs(program, state_dtype):
     runs = {name: Run(program, options, state_dtype=state_dtype) for name, options in CONFIGS.items()}
     base = runs["small rings"]
     try:
@@ -357,13 +371,24 @@ def run_program(seed, algorithm, state_dtype=torch.float32):
                 for name, run in runs.items():
                     if run.torch is not None:
                         run.check_against_torch(i)
-                    if name == "device" and base.rollbacks:
+                    if name in SPLIT and base.rollbacks:
                         continue
                     assert_bit_equal(states[name], states["small rings"], f"window {i} ({w}), {name}")
     finally:
         for run in runs.values():
             run.close()
-    return program
+    if longest_stepped_stretch(program) > 3:  # "auto" settled: it moved state
+        assert runs["auto"].moved
+
+
+def longest_stepped_stretch(program) -> int:
+    """The most windows one wrapper (between resumes) closes with step() after a backward."""
+    longest = stretch = 0
+    for w in program.windows:
+        stretch += w.passes > 0 and not w.drop
+        longest = max(longest, stretch)
+        stretch = 0 if w.resume else stretch
+    return longest
 
 
 @pytest.mark.parametrize("algorithm, state_dtype", [("adamw", torch.float32), ("adamw", torch.bfloat16),
