@@ -50,6 +50,8 @@ class Window:
     lr: Optional[tuple] = None  # (group, new lr) before the window
     weight_decay: Optional[tuple] = None  # (group, new weight decay) before the window
     edit: bool = False  # l2.weight halved outside the optimizer before the window
+    betas: Optional[tuple] = None  # (group, new betas) before the window (AdamW)
+    moment: Optional[float] = None  # opt.state[l1.weight]["exp_avg"] = it times this, before the window
     resume: bool = False  # checkpoint after the window; a new model and wrapper load it
 
 
@@ -92,7 +94,12 @@ def draw(seed: int, algorithm: str) -> Program:
         if rng.random() < 0.1:
             w.weight_decay = (rng.randrange(2), rng.choice([0.0, 0.01, 0.1]))
         w.edit = rng.random() < 0.08
+        if algorithm == "adamw" and rng.random() < 0.08:
+            w.betas = (rng.randrange(2), rng.choice([(0.9, 0.95), (0.8, 0.99), (0.95, 0.999)]))
+        if algorithm == "adamw" and rng.random() < 0.08:
+            w.moment = rng.choice([0.0, 0.5, -1.0])
         w.resume = rng.random() < 0.12
+        w.set_to_none = w.set_to_none or w.resume  # then a resume loses no .grad torch would keep
         program.windows.append(w)
     return program
 
@@ -157,8 +164,9 @@ class Run:
     """One program on one configuration: ``options(model, resumes)`` gives the wrapper's
     options for the ``resumes``-th model (0 for the first)."""
 
-    def __init__(self, program: Program, options, *, state_dtype=torch.float32):
+    def __init__(self, program: Program, options, *, state_dtype=torch.float32, resumes=True):
         self.program, self.options, self.state_dtype = program, options, state_dtype
+        self.resuming = resumes
         self.resumes = 0
         torch.manual_seed(program.seed)
         self.model = Net()
@@ -202,6 +210,9 @@ class Run:
         opt, model, ref = self.opt, self.model, self.torch
         self._set(w.lr, "lr")
         self._set(w.weight_decay, "weight_decay")
+        self._set(w.betas, "betas")
+        if w.moment is not None:
+            self._write_moment(w.moment)
         if w.round_trip:
             opt.load_state_dict(opt.state_dict())
         if w.edit:
@@ -258,9 +269,21 @@ class Run:
             check_norm(got_norm, norm, i)
         state = self.state()
         self.moved = self.moved or any(r.on_device for r in records_of(opt))
-        if w.resume:
+        if w.resume and self.resuming:
             self._resume()
         return state
+
+    def _write_moment(self, factor) -> None:
+        """Scale l1.weight's first moment through ``opt.state`` (a user's own reset), once it
+        has stepped (torch has no state before)."""
+        p = self.model.l1.weight
+        entry = self.opt.state[p]
+        if int(entry["step"]) == 0:
+            return
+        entry["exp_avg"] = entry["exp_avg"].float() * factor
+        if self.torch is not None:
+            theirs = self.torch.opt.state[self.torch.params["l1.weight"]]
+            theirs["exp_avg"] = theirs["exp_avg"] * factor
 
     def _resume(self):
         opt_state = clone(self.opt.state_dict())
@@ -337,7 +360,7 @@ def assert_bit_equal(a, b, where):
 
 # Configurations whose every window must step bit for bit like SMALL's (the one checked
 # against torch): the bytes per chunk, where the kept gradient lives, the step's tail
-# overlapped with the next forward. ``device`` keeps about half of the state on the device
+# overlapped with the next forward, the same run without its resumes. ``device`` keeps about half of the state on the device
 # (the CPU here) and takes the other half at each resume, ``auto`` moves what a fake device's
 # memory reading leaves room for after the third window: both bit for bit as long as no step
 # was rolled back (a device parameter is stepped once, when the window closes).
@@ -348,6 +371,7 @@ CONFIGS = {
     "overlap_forward": lambda model, resumes: dict(SMALL, overlap_forward=model),
     "device": lambda model, resumes: dict(SMALL, gpu_state=HALF_STATE if resumes % 2 == 0 else 0),
     "auto": lambda model, resumes: dict(SMALL, gpu_state="auto"),
+    "never resumed": lambda model, resumes: dict(SMALL),
 }
 SPLIT = ("device", "auto")
 # The fake device for "auto": 4 GiB (its margin) + 40000 bytes, windows peaking at 1000 bytes.
@@ -361,7 +385,8 @@ def run_program(seed, algorithm, state_dtype=torch.float32):
 
 
 def run_configs(program, state_dtype):
-    runs = {name: Run(program, options, state_dtype=state_dtype) for name, options in CONFIGS.items()}
+    runs = {name: Run(program, options, state_dtype=state_dtype, resumes=name != "never resumed")
+            for name, options in CONFIGS.items()}
     base = runs["small rings"]
     try:
         with warnings.catch_warnings():
