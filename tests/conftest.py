@@ -50,6 +50,16 @@ def single_rank_group():
 
 
 @pytest.fixture
+def gloo_group(tmp_path):
+    """A one-rank gloo process group (FSDP2 or DDP on the CPU), destroyed after the test."""
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path}/store", rank=0, world_size=1)
+    yield
+    dist.destroy_process_group()
+
+
+@pytest.fixture
 def sigint_raises():
     """SIGINT raises KeyboardInterrupt, as at an interactive prompt. NOTE: a process started
     in the background by a non-interactive shell inherits SIGINT ignored, Python then installs

@@ -20,8 +20,10 @@ from __future__ import annotations
 
 import importlib.util
 import linecache
+import os
 import signal
 import socket
+import subprocess
 import sys
 import threading
 from collections import OrderedDict
@@ -73,6 +75,57 @@ def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+def run_ranks(script: str, args: list, world: int, timeout_s: float = 150, **env) -> None:
+    """Run ``python script *args`` as ``world`` gloo ranks started like torchrun (RANK,
+    WORLD_SIZE, LOCAL_RANK, LOCAL_WORLD_SIZE, MASTER_*; ``env`` added); fails the test on a
+    rank's error (its output shown) or after ``timeout_s``."""
+    if not torch.distributed.is_gloo_available():
+        pytest.skip("torch built without gloo")
+    import cpu_offload
+
+    port = str(free_port())
+    root = os.path.dirname(os.path.dirname(os.path.abspath(cpu_offload.__file__)))  # the ranks import it too
+    tests = os.path.dirname(os.path.abspath(__file__))  # and this file
+    path = os.pathsep.join([root, tests] + [p for p in [os.environ.get("PYTHONPATH")] if p])
+    procs = []
+    local = min(world, 2)  # NOTE: 4 ranks as 2 "hosts" of 2: one CPU each on a 2-core machine
+    for rank in range(world):
+        rank_env = dict(os.environ, MASTER_ADDR="127.0.0.1", MASTER_PORT=port, RANK=str(rank), WORLD_SIZE=str(world),
+                        LOCAL_RANK=str(rank % local), LOCAL_WORLD_SIZE=str(local), OMP_NUM_THREADS="1",
+                        PYTHONPATH=path, **env)
+        procs.append(subprocess.Popen([sys.executable, script, *args], env=rank_env, stdout=subprocess.PIPE,
+                                      stderr=subprocess.STDOUT, text=True))
+    outputs = []
+    for p in procs:
+        try:
+            outputs.append(p.communicate(timeout=timeout_s)[0])
+        except subprocess.TimeoutExpired:
+            for q in procs:
+                q.kill()
+            pytest.fail(f"{os.path.basename(script)} {' '.join(args)}: the ranks timed out")
+    for p, out in zip(procs, outputs):
+        assert p.returncode == 0, out[-4000:]
+
+
+def rank_main(work) -> None:
+    """A rank's process of ``run_ranks``: run ``work()``, print its traceback if it raises,
+    and exit with its status."""
+    import traceback
+
+    try:
+        work()
+        code = 0
+    except BaseException:
+        traceback.print_exc()
+        code = 1
+    # NOTE: leave without the interpreter's teardown: torch's gloo run-loop threads can abort
+    # the process there ("terminate called without an active exception", about one exit in
+    # ten on torch 2.13) after everything above succeeded and the process group was destroyed.
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
 
 
 def is_interruptible_line(frame, event) -> bool:

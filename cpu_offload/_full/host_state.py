@@ -49,7 +49,7 @@ class ParamRecord:
     exp_avg_sq: Optional[torch.Tensor] = None  # v, flat host view in the state dtype (AdamW)
     accum: Optional[torch.Tensor] = None  # fp32 flat host view (grad_accum_steps > 1)
     step: int = 0  # completed optimizer steps: grows exactly when the master changed
-    version: int = -1  # the compute copy's version counter after the library last wrote it
+    version: Optional[tuple] = None  # the compute copy's version counters and storage when the library last wrote it
     holds_grad: bool = False  # torch would hold a (zero) .grad for it: got one, not zeroed with set_to_none
     on_device: bool = False  # its state lives on the device and is stepped there (device_state.py)
     # Per accumulation window (reset when the window closes):
@@ -305,11 +305,21 @@ def restore_dtypes(records: Iterable[ParamRecord], originals: dict) -> None:
                 r.local().view(-1).copy_(r.master)
 
 
+def _version_of(rec: ParamRecord) -> tuple:
+    """What changes when the compute copy is written: its version counters and its storage.
+
+    NOTE: an in-place op on an FSDP2 parameter (a DTensor: ``p.mul_``, the ``copy_`` of
+    ``model.load_state_dict``) runs on the local shard below autograd, which leaves the
+    shard's version counter as it was: only the DTensor's own counter moves.
+    """
+    local = rec.local()
+    return rec.param._version, local._version, local.data_ptr()
+
+
 def note_versions(records: Iterable[ParamRecord]) -> None:
-    """Remember each compute copy's version counter and storage after the library wrote it."""
+    """Remember each compute copy's version counters and storage after the library wrote it."""
     for rec in records:
-        local = rec.local()
-        rec.version = (local._version, local.data_ptr())
+        rec.version = _version_of(rec)
 
 
 def adopt_external_weights(records: Iterable[ParamRecord]) -> None:
@@ -322,10 +332,10 @@ def adopt_external_weights(records: Iterable[ParamRecord]) -> None:
     whenever the weights were not really changed.
     """
     for rec in records:
-        local = rec.local()
-        if (local._version, local.data_ptr()) == rec.version:
+        version = _version_of(rec)
+        if version == rec.version:
             continue
-        current = local.detach().reshape(-1).to(rec.master.device)
+        current = rec.local().detach().reshape(-1).to(rec.master.device)
         if not torch.equal(current, rec.master.to(current.dtype)):
             rec.master.copy_(current)
-        rec.version = (local._version, local.data_ptr())
+        rec.version = version

@@ -10,14 +10,13 @@
 # torch.optim.AdamW fed the same gradients. With overlap_forward (the hooks on FSDP2's
 # groups), two processes equal one process without it.
 import os
-import subprocess
 import sys
 
 import pytest
 import torch
 import torch.nn as nn
 
-from helpers import free_port, records_of
+from helpers import rank_main, records_of, run_ranks
 
 STEPS, RESUME_AT, ACCUM = 4, 2, 2
 
@@ -222,32 +221,7 @@ def window_worker(out_dir):
 
 
 def _run_workers(mode, tmp_path, world=2, gpu_state=None):
-    if not torch.distributed.is_gloo_available():
-        pytest.skip("torch built without gloo")
-    import cpu_offload
-
-    port = str(free_port())
-    root = os.path.dirname(os.path.dirname(os.path.abspath(cpu_offload.__file__)))  # the workers import it too
-    tests = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # and tests/helpers.py
-    path = os.pathsep.join([root, tests] + [p for p in [os.environ.get("PYTHONPATH")] if p])
-    procs = []
-    local = min(world, 2)  # NOTE: 4 ranks as 2 "hosts" of 2: one CPU each on a 2-core machine
-    for rank in range(world):
-        env = dict(os.environ, MASTER_ADDR="127.0.0.1", MASTER_PORT=port, RANK=str(rank), WORLD_SIZE=str(world),
-                   LOCAL_RANK=str(rank % local), LOCAL_WORLD_SIZE=str(local), OMP_NUM_THREADS="1", PYTHONPATH=path,
-                   TEST_GPU_STATE="" if gpu_state is None else str(gpu_state))
-        procs.append(subprocess.Popen([sys.executable, __file__, mode, str(tmp_path)], env=env,
-                                      stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True))
-    outputs = []
-    for p in procs:
-        try:
-            outputs.append(p.communicate(timeout=150)[0])
-        except subprocess.TimeoutExpired:
-            for q in procs:
-                q.kill()
-            pytest.fail("FSDP2 workers timed out")
-    for p, out in zip(procs, outputs):
-        assert p.returncode == 0, out[-4000:]
+    run_ranks(__file__, [mode, str(tmp_path)], world, TEST_GPU_STATE="" if gpu_state is None else str(gpu_state))
 
 
 # gpu_state=2400 bytes (150 elements at 16 B each, with accumulation): rank 0's shards hold,
@@ -367,6 +341,36 @@ def test_fsdp2_variable_windows_match_torch_adamw(tmp_path):
             assert float((got - want).norm() / want.norm()) < 1e-5, (i, key)
 
 
+@pytest.mark.parametrize("edit", ["in_place", "load_state_dict"])
+def test_weights_edited_outside_the_optimizer_win_under_fsdp2(gloo_group, edit):
+    # NOTE: an in-place op on an FSDP2 parameter (a DTensor) runs on its local shard below
+    # autograd, which leaves the shard's version counter as it was; the DTensor's moves.
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from cpu_offload import offload_optimizer
+
+    mesh = init_device_mesh("cpu", (1,))
+    masters = {}
+    for run in ("one process, not edited", "one process", "FSDP2"):
+        model = make_model()
+        if run == "FSDP2":
+            model = _shard(model, mesh)
+        opt = offload_optimizer(make_opt(model), offload="full", grad_accum_steps=ACCUM, pinned_bytes=1 << 15,
+                                num_slots=2)
+        train(model, opt, range(1))
+        if run != "one process, not edited":
+            with torch.no_grad():
+                if edit == "in_place":
+                    model[2].weight.mul_(0.5)
+                else:
+                    model.load_state_dict({k: v * 0.5 for k, v in model.state_dict().items()})
+        train(model, opt, range(1, 3))
+        masters[run] = [getattr(e["master"], "full_tensor", e["master"].clone)() for e in opt.state_dict()["state"].values()]
+        opt.close()
+    assert all(torch.equal(a, b) for a, b in zip(masters["FSDP2"], masters["one process"]))
+    assert not torch.equal(masters["one process"][0], masters["one process, not edited"][0])
+
+
 def overlap_loop(model, opt, steps=STEPS):
     for s in range(steps):
         model(batch(s, 0)).float().pow(2).mean().backward()
@@ -413,17 +417,4 @@ WORKERS = {"--worker": worker, "--clip-worker": clip_worker, "--window-worker": 
            "--overlap-worker": overlap_worker, "--single-rank-clip-worker": single_rank_clip_worker}
 
 if __name__ == "__main__" and sys.argv[1:2] and sys.argv[1] in WORKERS:
-    import traceback
-
-    try:
-        WORKERS[sys.argv[1]](sys.argv[2])
-        code = 0
-    except BaseException:
-        traceback.print_exc()
-        code = 1
-    # NOTE: leave without the interpreter's teardown: torch's gloo run-loop threads can abort
-    # the process there ("terminate called without an active exception", about one exit in
-    # ten on torch 2.13) after everything above succeeded and the process group was destroyed.
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(code)
+    rank_main(lambda: WORKERS[sys.argv[1]](sys.argv[2]))

@@ -702,16 +702,11 @@ def test_optimizer_used_after_fork_fails_at_once():
     assert "after fork()" in msg and proc.exitcode == 0
 
 
-def test_ddp_model_is_refused(tmp_path):
-    import torch.distributed as dist
-    dist.init_process_group("gloo", init_method=f"file://{tmp_path}/store", rank=0, world_size=1)
-    try:
-        model = nn.parallel.DistributedDataParallel(Net())
-        with pytest.raises(RuntimeError, match="DistributedDataParallel model"):
-            FullCPUOffloadOptimizer(torch.optim.AdamW(model.parameters()), **SMALL)
-        assert all(p.dtype == torch.float32 for p in model.parameters())
-    finally:
-        dist.destroy_process_group()
+def test_ddp_model_is_refused(gloo_group):
+    model = nn.parallel.DistributedDataParallel(Net())
+    with pytest.raises(RuntimeError, match="DistributedDataParallel model"):
+        FullCPUOffloadOptimizer(torch.optim.AdamW(model.parameters()), **SMALL)
+    assert all(p.dtype == torch.float32 for p in model.parameters())
 
 
 def test_proxy_with_a_copied_dict_drives_the_same_optimizer():

@@ -13,15 +13,6 @@ from cpu_offload._full.optimizer import FullCPUOffloadOptimizer
 SMALL = dict(pinned_bytes=1 << 15, num_slots=2)
 
 
-@pytest.fixture
-def gloo_group(tmp_path):
-    import torch.distributed as dist
-
-    dist.init_process_group("gloo", init_method=f"file://{tmp_path}/store", rank=0, world_size=1)
-    yield
-    dist.destroy_process_group()
-
-
 def _no_heap_walk(*args, **kwargs):
     raise AssertionError("gc.get_objects() called: a walk over the whole heap")
 

@@ -10,9 +10,11 @@
 # against torch.optim.AdamW emulated literally (its .grad tensors, clip_grad_norm_,
 # zero_grad) on the gradients the run computed.
 
+import contextlib
 import math
 import random
 import warnings
+from collections.abc import Mapping
 from unittest import mock
 from dataclasses import dataclass, field
 from typing import Optional
@@ -162,15 +164,16 @@ class TorchEmulation:
 
 class Run:
     """One program on one configuration: ``options(model, resumes)`` gives the wrapper's
-    options for the ``resumes``-th model (0 for the first)."""
+    options for the ``resumes``-th model (0 for the first); ``shard(model)``, when given,
+    shards each new model with FSDP2 (then the check against torch is left to the caller)."""
 
-    def __init__(self, program: Program, options, *, state_dtype=torch.float32, resumes=True):
+    def __init__(self, program: Program, options, *, state_dtype=torch.float32, resumes=True, shard=None):
         self.program, self.options, self.state_dtype = program, options, state_dtype
-        self.resuming = resumes
+        self.resuming, self.shard = resumes, shard or (lambda model: model)
         self.resumes = 0
-        torch.manual_seed(program.seed)
-        self.model = Net()
-        self.torch = TorchEmulation(self.model, program.algorithm) if state_dtype == torch.float32 else None
+        self.model = self._new_model()
+        self.torch = (TorchEmulation(self.model, program.algorithm)
+                      if state_dtype == torch.float32 and shard is None else None)
         self.rollbacks, self.rollback_error = 0, 0.0
         self.moved = False  # some state was on the device after a window
         self._wrap()
@@ -290,20 +293,25 @@ class Run:
         model_state = clone(self.model.state_dict())
         self.opt.close()
         self.resumes += 1
-        torch.manual_seed(self.program.seed)
-        self.model = Net()
+        self.model = self._new_model()
         self.model.load_state_dict(model_state)
         self._wrap(opt_state)
         if self.torch is not None:
             self.torch.resumed()
 
+    def _new_model(self):
+        torch.manual_seed(self.program.seed)
+        return self.shard(Net())
+
     def state(self) -> dict:
-        """Everything a later step depends on: the checkpoint and the compute copies."""
-        return {"optim": clone(self.opt.state_dict()), "model": clone(self.model.state_dict())}
+        """Everything a later step depends on: the checkpoint and the compute copies (whole
+        tensors, also when sharded)."""
+        return {"optim": gathered(self.opt.state_dict()), "model": gathered(self.model.state_dict())}
 
     def state_now(self) -> dict:
         """In the middle of a window: the host state and the compute copies."""
-        return {"optim": {n: clone(v) for n, v in self.opt.state.items()}, "model": clone(self.model.state_dict())}
+        return {"optim": [gathered(dict(entry.items())) for entry in self.opt.state.values()],
+                "model": gathered(self.model.state_dict())}
 
     def check_against_torch(self, i: int) -> None:
         params = [p for g in groups_of(self.model) for p in g["params"]]
@@ -336,14 +344,19 @@ def check_norm(got, want, where):
         assert not math.isfinite(got), (where, got, want)
 
 
-def clone(obj):
+def clone(obj, tensor=lambda t: t.detach().clone()):
     if torch.is_tensor(obj):
-        return obj.detach().clone()
-    if isinstance(obj, dict):
-        return {k: clone(v) for k, v in obj.items()}
+        return tensor(obj)
+    if isinstance(obj, Mapping):
+        return {k: clone(v, tensor) for k, v in obj.items()}
     if isinstance(obj, (list, tuple)):
-        return type(obj)(clone(v) for v in obj)
+        return type(obj)(clone(v, tensor) for v in obj)
     return obj
+
+
+def gathered(obj):
+    """``clone`` with each DTensor's whole tensor (a collective: every rank calls it alike)."""
+    return clone(obj, lambda t: (t.full_tensor() if hasattr(t, "full_tensor") else t).detach().clone())
 
 
 def assert_bit_equal(a, b, where):
@@ -354,6 +367,10 @@ def assert_bit_equal(a, b, where):
         assert a.keys() == b.keys(), where
         for k in a:
             assert_bit_equal(a[k], b[k], f"{where}/{k}")
+    elif isinstance(a, (list, tuple)):
+        assert len(a) == len(b), where
+        for j, (x, y) in enumerate(zip(a, b)):
+            assert_bit_equal(x, y, f"{where}/{j}")
     else:
         assert a == b, where
 
@@ -378,6 +395,14 @@ SPLIT = ("device", "auto")
 AUTO_READING = (4 * (1 << 30) + 40_000, 1000)
 
 
+@contextlib.contextmanager
+def expected_warnings():
+    """The programs' skipped steps and zero_grad() without step() warn, as documented."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", "cpu_offload: (zero_grad|optimizer step skipped)", RuntimeWarning)
+        yield
+
+
 def run_program(seed, algorithm, state_dtype=torch.float32):
     program = draw(seed, algorithm)
     with mock.patch.object(device_state, "memory_reading", lambda device: AUTO_READING):
@@ -389,8 +414,7 @@ def run_configs(program, state_dtype):
             for name, options in CONFIGS.items()}
     base = runs["small rings"]
     try:
-        with warnings.catch_warnings():
-            warnings.filterwarnings("ignore", "cpu_offload: (zero_grad|optimizer step skipped)", RuntimeWarning)
+        with expected_warnings():
             for i, w in enumerate(program.windows):
                 states = {name: run.window(i, w) for name, run in runs.items()}
                 for name, run in runs.items():

@@ -1,0 +1,57 @@
+# The random training programs of test_random_programs.py under FSDP2 on the CPU: two gloo
+# processes run one program on a sharded model (its checkpoints, resumes, edits and state
+# writes through DTensors) and must match one process running it unsharded, bit for bit,
+# after every window: the global norm for clipping, a skipped step on every rank, the
+# rollbacks and redos on each rank's shard.
+import os
+import sys
+
+import pytest
+import torch
+
+from helpers import SMALL, rank_main, run_ranks
+from test_random_programs import Run, assert_bit_equal, draw, expected_warnings
+
+SEEDS = (0, 1)
+
+
+def program_worker(out_dir: str, seed: int) -> None:
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    dist.init_process_group("gloo")
+    mesh = init_device_mesh("cpu", (dist.get_world_size(),))
+
+    def shard(model):
+        for layer in (model.l1, model.l2, model.head):
+            fully_shard(layer, mesh=mesh)
+        return fully_shard(model, mesh=mesh)
+
+    program = draw(seed, "adamw")
+    run = Run(program, lambda model, resumes: dict(SMALL), shard=shard)
+    with expected_warnings():
+        states = [run.window(i, w) for i, w in enumerate(program.windows)]
+    run.close()
+    if dist.get_rank() == 0:
+        torch.save(states, os.path.join(out_dir, f"program{seed}.pt"))
+    dist.destroy_process_group()
+
+
+@pytest.mark.parametrize("seed", SEEDS)
+def test_a_random_program_on_two_fsdp2_ranks_equals_one_process(tmp_path, seed):
+    run_ranks(__file__, [str(tmp_path), str(seed)], world=2, timeout_s=300)
+    sharded = torch.load(tmp_path / f"program{seed}.pt")
+    program = draw(seed, "adamw")
+    run = Run(program, lambda model, resumes: dict(SMALL))
+    try:
+        with expected_warnings():
+            for i, w in enumerate(program.windows):
+                assert_bit_equal(sharded[i], run.window(i, w), f"window {i} ({w})")
+                run.check_against_torch(i)
+    finally:
+        run.close()
+
+
+if __name__ == "__main__" and len(sys.argv) == 3:
+    rank_main(lambda: program_worker(sys.argv[1], int(sys.argv[2])))
