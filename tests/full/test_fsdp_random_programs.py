@@ -13,9 +13,11 @@ from helpers import SMALL, rank_main, run_ranks
 from test_random_programs import Run, assert_bit_equal, draw, expected_warnings
 
 SEEDS = (0, 1)
+# The sharded runs' options; overlap_forward puts its hooks on FSDP2's groups.
+CONFIGS = {"small rings": lambda model: dict(SMALL), "overlap_forward": lambda model: dict(SMALL, overlap_forward=model)}
 
 
-def program_worker(out_dir: str, seed: int) -> None:
+def program_worker(out_dir: str, seed: int, config: str) -> None:
     import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
@@ -29,7 +31,7 @@ def program_worker(out_dir: str, seed: int) -> None:
         return fully_shard(model, mesh=mesh)
 
     program = draw(seed, "adamw")
-    run = Run(program, lambda model, resumes: dict(SMALL), shard=shard)
+    run = Run(program, lambda model, resumes: CONFIGS[config](model), shard=shard)
     with expected_warnings():
         states = [run.window(i, w) for i, w in enumerate(program.windows)]
     run.close()
@@ -38,9 +40,10 @@ def program_worker(out_dir: str, seed: int) -> None:
     dist.destroy_process_group()
 
 
+@pytest.mark.parametrize("config", list(CONFIGS))
 @pytest.mark.parametrize("seed", SEEDS)
-def test_a_random_program_on_two_fsdp2_ranks_equals_one_process(tmp_path, seed):
-    run_ranks(__file__, [str(tmp_path), str(seed)], world=2, timeout_s=300)
+def test_a_random_program_on_two_fsdp2_ranks_equals_one_process(tmp_path, seed, config):
+    run_ranks(__file__, [str(tmp_path), str(seed), config], world=2, timeout_s=300)
     sharded = torch.load(tmp_path / f"program{seed}.pt")
     program = draw(seed, "adamw")
     run = Run(program, lambda model, resumes: dict(SMALL))
@@ -53,5 +56,5 @@ def test_a_random_program_on_two_fsdp2_ranks_equals_one_process(tmp_path, seed):
         run.close()
 
 
-if __name__ == "__main__" and len(sys.argv) == 3:
-    rank_main(lambda: program_worker(sys.argv[1], int(sys.argv[2])))
+if __name__ == "__main__" and len(sys.argv) == 4:
+    rank_main(lambda: program_worker(sys.argv[1], int(sys.argv[2]), sys.argv[3]))
