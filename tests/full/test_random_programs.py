@@ -26,7 +26,7 @@ import torch.nn as nn
 import cpu_offload
 from cpu_offload import SignSGD
 from cpu_offload._full import device_state
-from helpers import HALF_STATE, SMALL, Net, normwise, records_of, watch_rollbacks, window_scale_of
+from helpers import HALF_STATE, SMALL, Boom, Net, normwise, records_of, watch_rollbacks, window_scale_of
 
 HP = dict(lr=1e-2, betas=(0.9, 0.95), eps=1e-8)
 LARGEST = 3  # the largest window: the optimizers are built with it
@@ -55,6 +55,7 @@ class Window:
     betas: Optional[tuple] = None  # (group, new betas) before the window (AdamW)
     moment: Optional[float] = None  # opt.state[l1.weight]["exp_avg"] = it times this, before the window
     resume: bool = False  # checkpoint after the window; a new model and wrapper load it
+    fail: int = -1  # the pass whose backward raises after the head's gradients (-1: none)
 
 
 @dataclass
@@ -65,7 +66,7 @@ class Program:
     windows: list = field(default_factory=list)
 
 
-def draw(seed: int, algorithm: str) -> Program:
+def draw(seed: int, algorithm: str, failures: bool = True) -> Program:
     rng = random.Random(seed)
     clipping = rng.choice(["none", "call", "option"])
     program = Program(seed, algorithm, max_grad_norm=0.05 if clipping == "option" else None)
@@ -102,6 +103,8 @@ def draw(seed: int, algorithm: str) -> Program:
             w.moment = rng.choice([0.0, 0.5, -1.0])
         w.resume = rng.random() < 0.12
         w.set_to_none = w.set_to_none or w.resume  # then a resume loses no .grad torch would keep
+        if failures and passes and rng.random() < 0.06:
+            w.fail = rng.randrange(passes)
         program.windows.append(w)
     return program
 
@@ -157,6 +160,19 @@ class TorchEmulation:
     def zero_grad(self, set_to_none):
         self.opt.zero_grad(set_to_none=set_to_none)
 
+    def take(self, state, names) -> None:
+        """Continue from full offload's state (``state_dict()["state"]``, ``names``: index ->
+        name): its masters, moments and step counts; no ``.grad``."""
+        self.opt.zero_grad(set_to_none=True)
+        for j, entry in state.items():
+            p = self.params[names[j]]
+            p.data.copy_(entry["master"].view(p.shape))
+            self.opt.state.pop(p, None)
+            if int(entry.get("step", 0)) and "exp_avg" in entry:
+                self.opt.state[p] = {"step": torch.tensor(float(entry["step"])),
+                                     "exp_avg": entry["exp_avg"].float().clone().view(p.shape),
+                                     "exp_avg_sq": entry["exp_avg_sq"].float().clone().view(p.shape)}
+
     def resumed(self):
         """A resume starts with no ``.grad``, as a fresh model has none."""
         self.opt.zero_grad(set_to_none=True)
@@ -174,7 +190,8 @@ class Run:
         self.model = self._new_model()
         self.torch = (TorchEmulation(self.model, program.algorithm)
                       if state_dtype == torch.float32 and shard is None else None)
-        self.rollbacks, self.rollback_error = 0, 0.0
+        self.rollback_error = 0.0
+        self.splits_agree = True  # no rollback nor failed pass yet: any split steps alike
         self.moved = False  # some state was on the device after a window
         self._wrap()
 
@@ -198,7 +215,7 @@ class Run:
         the tolerance against torch grows by four times that, summed over the rollbacks."""
         if not stepped:
             return
-        self.rollbacks += 1
+        self.splits_agree = False
         final = window_scale_of(self.opt)
         r = max([1.0] + [piece.hparams["grad_scale"] / final for piece in stepped if final > 0])
         self.rollback_error += 2.0**-22 * r * r
@@ -229,6 +246,8 @@ class Run:
             if m == w.passes - 1 and w.announce is not None:
                 opt.scale_grads_(w.announce)
             loss = model(batch(self.program.seed, i, m).to(torch.bfloat16), use_extra=w.extra[m]).float().pow(2).mean()
+            if m == w.fail:
+                return self._failed_pass(i, w, loss * w.scales[m])
             (loss * w.scales[m]).backward()
             if ref is not None:
                 ref.add({n: g[-1] for n, g in self.passes.items()})
@@ -276,6 +295,33 @@ class Run:
             self._resume()
         return state
 
+    def _failed_pass(self, i: int, w: Window, loss) -> dict:
+        """The pass's backward raises once the head's gradients arrived; the loop drops the
+        window with zero_grad(), which recovers it (the parameters stepped count the step,
+        the rest of the window is discarded), and torch is given the state it left."""
+        Boom.armed = RuntimeError("a failed backward")
+        try:
+            with pytest.raises(RuntimeError, match="a failed backward"):
+                loss.backward()
+        finally:
+            Boom.armed = None
+        self.opt.zero_grad()
+        self.passes.clear()
+        self.splits_agree = False  # device parameters are stepped when a window closes: not this one
+        if self.torch is not None:
+            self.torch.take(self.opt.state_dict()["state"], self.index_names())
+            self.rollback_error = 0.0
+        state = self.state()
+        if w.resume and self.resuming:
+            self._resume()
+        return state
+
+    def index_names(self) -> dict:
+        """state_dict index -> name of each trainable parameter."""
+        names = {id(p): n for n, p in self.model.named_parameters() if p.requires_grad}
+        params = [p for g in groups_of(self.model) for p in g["params"]]
+        return {j: names[id(p)] for j, p in enumerate(params) if id(p) in names}
+
     def _write_moment(self, factor) -> None:
         """Scale l1.weight's first moment through ``opt.state`` (a user's own reset), once it
         has stepped (torch has no state before)."""
@@ -301,7 +347,9 @@ class Run:
 
     def _new_model(self):
         torch.manual_seed(self.program.seed)
-        return self.shard(Net())
+        model = Net()
+        model.l2.register_forward_hook(lambda module, args, out: Boom.apply(out))  # _failed_pass
+        return self.shard(model)
 
     def state(self) -> dict:
         """Everything a later step depends on: the checkpoint and the compute copies (whole
@@ -380,7 +428,8 @@ def assert_bit_equal(a, b, where):
 # overlapped with the next forward, the same run without its resumes. ``device`` keeps about half of the state on the device
 # (the CPU here) and takes the other half at each resume, ``auto`` moves what a fake device's
 # memory reading leaves room for after the third window: both bit for bit as long as no step
-# was rolled back (a device parameter is stepped once, when the window closes).
+# was rolled back and no pass failed (a device parameter is stepped once, when the window
+# closes).
 CONFIGS = {
     "small rings": lambda model, resumes: dict(SMALL),
     "one chunk": lambda model, resumes: dict(pinned_bytes=4 * 65536, num_slots=4),
@@ -397,9 +446,9 @@ AUTO_READING = (4 * (1 << 30) + 40_000, 1000)
 
 @contextlib.contextmanager
 def expected_warnings():
-    """The programs' skipped steps and zero_grad() without step() warn, as documented."""
+    """The programs' skipped steps, zero_grad() without step() and failed passes warn, as documented."""
     with warnings.catch_warnings():
-        warnings.filterwarnings("ignore", "cpu_offload: (zero_grad|optimizer step skipped)", RuntimeWarning)
+        warnings.filterwarnings("ignore", "cpu_offload: (zero_grad|optimizer step skipped|backward pass)", RuntimeWarning)
         yield
 
 
@@ -420,7 +469,7 @@ def run_configs(program, state_dtype):
                 for name, run in runs.items():
                     if run.torch is not None:
                         run.check_against_torch(i)
-                    if name in SPLIT and base.rollbacks:
+                    if name in SPLIT and not base.splits_agree:
                         continue
                     assert_bit_equal(states[name], states["small rings"], f"window {i} ({w}), {name}")
     finally:
