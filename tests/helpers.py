@@ -356,6 +356,14 @@ def watch_rollbacks(off, seen) -> None:
     off._validator._rollback = lambda stepped: (seen(stepped), real(stepped))[1]
 
 
+def written_elsewhere(rec) -> bool:
+    """Whether a record's compute copy was written since the library last wrote it (its
+    version counters or storage moved): the next window then compares it with its master."""
+    from cpu_offload._full.host_state import _version_of
+
+    return _version_of(rec) != rec.version
+
+
 def window_scale_of(off) -> float:
     """The factor on the open window's gradients (clip coefficients, scale_grads_): during a
     rollback for a redo, the one the redo steps with."""
