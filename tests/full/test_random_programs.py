@@ -1,7 +1,7 @@
 # Random training loops against full offload. Each seed draws one program of windows that
 # mixes what real loops do: accumulation windows of varying and short length, windows
 # dropped by zero_grad() without step(), step() with no backward, clipping by call or by
-# option, NaN losses, gradient factors announced before the last backward or given after
+# option, NaN losses, gradient factors announced before a backward or given after the last
 # it, zero_grad with and without set_to_none, parameters that get no gradient, learning-rate
 # and weight-decay changes, weights edited outside the optimizer, and resumes from a
 # checkpoint into a new model and wrapper. The program runs on configurations that the
@@ -39,7 +39,7 @@ class Window:
     scales: list  # loss factor per pass (NaN: the step is skipped)
     extra: list  # per pass: whether Net.extra gets a gradient
     drop: bool = False  # zero_grad() without step()
-    announce: Optional[float] = None  # scale_grads_ before the last backward
+    announce: Optional[tuple] = None  # (pass, factor): scale_grads_ before that pass's backward
     late: Optional[float] = None  # scale_grads_ after the last backward
     clip: Optional[float] = None  # clip_grad_norm_(clip, norm_type) before step()
     norm_type: float = 2.0
@@ -80,7 +80,7 @@ def draw(seed: int, algorithm: str, failures: bool = True) -> Program:
             w.scales[rng.randrange(passes)] = math.nan
         w.drop = passes > 0 and rng.random() < 0.1
         if passes and rng.random() < 0.2:
-            w.announce = 2 ** rng.uniform(-2, 2)
+            w.announce = (rng.randrange(passes), 2 ** rng.uniform(-2, 2))
         if passes and not w.drop and rng.random() < 0.2:
             w.late = 2 ** rng.uniform(-2, 2)
         if clipping == "call" and passes and not w.drop and rng.random() < 0.7:
@@ -151,8 +151,12 @@ class TorchEmulation:
         for p in self.with_grad():
             p.grad.mul_(factor)
 
-    def clip(self, max_norm, norm_type=2.0):
-        return float(torch.nn.utils.clip_grad_norm_(self.with_grad(), max_norm, norm_type))
+    def clip(self, max_norm, norm_type=2.0, factor=1.0):
+        """clip_grad_norm_ on the gradients times ``factor`` (announced, applied at the end)."""
+        params = self.with_grad()
+        total = torch.nn.utils.get_total_norm([p.grad for p in params], norm_type) * factor
+        torch.nn.utils.clip_grads_with_norm_(params, max_norm, total)
+        return float(total)
 
     def step(self):
         if all(torch.isfinite(p.grad).all() for p in self.with_grad()):
@@ -243,9 +247,11 @@ class Run:
             if ref is not None:
                 ref.params["l2.weight"].data.copy_(model.l2.weight.detach().float())
         opt.grad_accum_steps = w.k
+        factor = 1.0  # NOTE: a factor announced in a window scales its whole sum, applied at its end
         for m in range(w.passes):
-            if m == w.passes - 1 and w.announce is not None:
-                opt.scale_grads_(w.announce)
+            if w.announce is not None and w.announce[0] == m:
+                opt.scale_grads_(w.announce[1])
+                factor *= w.announce[1]
             with torch.autocast("cpu", dtype=torch.bfloat16, enabled=self.mixed()):
                 loss = model(batch(self.program.seed, i, m).to(torch.bfloat16), use_extra=w.extra[m]).float().pow(2).mean()
             if m == w.fail:
@@ -254,12 +260,10 @@ class Run:
             if ref is not None:
                 ref.add({n: g[-1] for n, g in self.passes.items()})
                 self.passes.clear()
-                if m == w.passes - 1 and w.announce is not None:
-                    ref.scale(w.announce)
             if w.mid_clip is not None and w.mid_clip[0] == m:
                 got = float(opt.clip_grad_norm_(w.mid_clip[1]))
                 if ref is not None:
-                    check_norm(got, ref.clip(w.mid_clip[1]), (i, m))
+                    check_norm(got, ref.clip(w.mid_clip[1], factor=factor), (i, m))
             if m == 0 and w.passes > 1:
                 self._set(w.mid_lr, "lr")
                 if w.peek:
@@ -272,6 +276,7 @@ class Run:
             # NOTE: max_grad_norm clips when the window's last backward ends: before a factor
             # given after it; a short window ends at step(), after that factor.
             complete, option = w.passes == w.k, self.program.max_grad_norm
+            ref.scale(factor)
             if complete and option is not None:
                 ref.clip(option)
             if w.late is not None:
