@@ -346,22 +346,6 @@ def test_stats_before_and_after_a_step():
 
 # ------------------------------------------------------------------- FSDP2
 
-@pytest.fixture
-def gloo_group():
-    import socket
-
-    import torch.distributed as dist
-
-    if not dist.is_gloo_available():
-        pytest.skip("torch built without gloo")
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1)
-    yield
-    dist.destroy_process_group()
-
-
 def test_fsdp2_dtensor_params(gloo_group):
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
