@@ -4,7 +4,7 @@
 # option, NaN losses, gradient factors announced before a backward or given after the last
 # it, zero_grad with and without set_to_none, parameters that get no gradient, learning-rate
 # and weight-decay changes, weights edited outside the optimizer, and resumes from a
-# checkpoint into a new model and wrapper. The program runs on configurations that the
+# checkpoint into a new model and wrapper, or from the plain torch optimizer's checkpoint. The program runs on configurations that the
 # numerics contract says step bit for bit alike (ring sizes, grad_copy, overlap_forward,
 # part of the state on the device), compared after every window, and each run is checked
 # against torch.optim.AdamW emulated literally (its .grad tensors, clip_grad_norm_,
@@ -54,6 +54,7 @@ class Window:
     betas: Optional[tuple] = None  # (group, new betas) before the window (AdamW)
     moment: Optional[float] = None  # opt.state[l1.weight]["exp_avg"] = it times this, before the window
     resume: bool = False  # checkpoint after the window; a new model and wrapper load it
+    migrate: bool = False  # ... the plain torch optimizer's checkpoint, the model its fp32 weights
     fail: int = -1  # the pass whose backward raises after the head's gradients (-1: none)
 
 
@@ -104,6 +105,7 @@ def draw(seed: int, algorithm: str, failures: bool = True) -> Program:
             w.moment = rng.choice([0.0, 0.5, -1.0])
         w.resume = rng.random() < 0.12
         w.set_to_none = w.set_to_none or w.resume  # then a resume loses no .grad torch would keep
+        w.migrate = w.resume and rng.random() < 0.4
         if failures and passes and rng.random() < 0.06:
             w.fail = rng.randrange(passes)
         program.windows.append(w)
@@ -135,7 +137,7 @@ class TorchEmulation:
                        for n, p in model.named_parameters()}
         by_id = {id(p): n for n, p in model.named_parameters()}
         groups = [{**{k: v for k, v in g.items() if k != "params"},
-                   "params": [self.params[by_id[id(p)]] for p in g["params"] if p.requires_grad]}
+                   "params": [self.params[by_id[id(p)]] for p in g["params"]]}
                   for g in groups_of(model)]
         self.opt = optimizer(groups, algorithm)
 
@@ -197,6 +199,7 @@ class Run:
                       if state_dtype == torch.float32 and shard is None else None)
         self.rollback_error = 0.0
         self.splits_agree = True  # no rollback nor failed pass yet: any split steps alike
+        self.migrated = False  # resumed from torch's checkpoint: a run without resumes differs
         self.moved = False  # some state was on the device after a window
         self._wrap()
 
@@ -299,7 +302,7 @@ class Run:
         state = self.state()
         self.moved = self.moved or any(r.on_device for r in records_of(opt))
         if w.resume and self.resuming:
-            self._resume()
+            self._resume(w.migrate)
         return state
 
     def _failed_pass(self, i: int, w: Window, loss) -> dict:
@@ -320,7 +323,7 @@ class Run:
             self.rollback_error = 0.0
         state = self.state()
         if w.resume and self.resuming:
-            self._resume()
+            self._resume(w.migrate)
         return state
 
     def mixed(self) -> bool:
@@ -345,9 +348,16 @@ class Run:
             theirs = self.torch.opt.state[self.torch.params["l1.weight"]]
             theirs["exp_avg"] = theirs["exp_avg"] * factor
 
-    def _resume(self):
-        opt_state = clone(self.opt.state_dict())
-        model_state = clone(self.model.state_dict())
+    def _resume(self, migrate: bool) -> None:
+        """A new model and wrapper from this run's checkpoint, or (``migrate``, when torch runs
+        beside) from the plain torch optimizer's: no masters, which come from the model's
+        fp32 weights (docs/checkpoints.md)."""
+        if migrate and self.torch is not None:
+            opt_state = clone(self.torch.opt.state_dict())
+            model_state = {n: p.detach().clone() for n, p in self.torch.params.items()}
+            self.migrated = True
+        else:
+            opt_state, model_state = clone(self.opt.state_dict()), clone(self.model.state_dict())
         self.opt.close()
         self.resumes += 1
         self.model = self._new_model()
@@ -484,7 +494,8 @@ def run_configs(program, state_dtype):
                 for name, run in runs.items():
                     if run.torch is not None:
                         run.check_against_torch(i)
-                    if name in OWN_NUMERICS or (name in SPLIT and not base.splits_agree):
+                    if (name in OWN_NUMERICS or (name in SPLIT and not base.splits_agree)
+                            or (name == "never resumed" and base.migrated)):
                         continue
                     assert_bit_equal(states[name], states["small rings"], f"window {i} ({w}), {name}")
     finally:
