@@ -13,6 +13,9 @@ from helpers import SMALL, rank_main, run_ranks
 from test_random_programs import Run, assert_bit_equal, draw, expected_warnings
 
 SEEDS = (0, 1)
+# NOTE: no failed passes (FSDP2 then needs reset_iter_state() on its root) and no resumes
+# from torch's checkpoint (the sharded ranks run no torch beside them).
+PROGRAMS = dict(failures=False, migrations=False)
 # The sharded runs' options; overlap_forward puts its hooks on FSDP2's groups.
 CONFIGS = {"small rings": lambda model: dict(SMALL), "overlap_forward": lambda model: dict(SMALL, overlap_forward=model)}
 
@@ -30,7 +33,7 @@ def program_worker(out_dir: str, seed: int, config: str) -> None:
             fully_shard(layer, mesh=mesh)
         return fully_shard(model, mesh=mesh)
 
-    program = draw(seed, "adamw", failures=False)  # NOTE: FSDP2 then needs reset_iter_state()
+    program = draw(seed, "adamw", **PROGRAMS)
     run = Run(program, lambda model, resumes: CONFIGS[config](model), shard=shard)
     with expected_warnings():
         states = [run.window(i, w) for i, w in enumerate(program.windows)]
@@ -45,7 +48,7 @@ def program_worker(out_dir: str, seed: int, config: str) -> None:
 def test_a_random_program_on_two_fsdp2_ranks_equals_one_process(tmp_path, seed, config):
     run_ranks(__file__, [str(tmp_path), str(seed), config], world=2, timeout_s=300)
     sharded = torch.load(tmp_path / f"program{seed}.pt")
-    program = draw(seed, "adamw", failures=False)
+    program = draw(seed, "adamw", **PROGRAMS)
     run = Run(program, lambda model, resumes: dict(SMALL))
     try:
         with expected_warnings():

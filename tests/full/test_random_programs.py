@@ -67,7 +67,7 @@ class Program:
     windows: list = field(default_factory=list)
 
 
-def draw(seed: int, algorithm: str, failures: bool = True) -> Program:
+def draw(seed: int, algorithm: str, failures: bool = True, migrations: bool = True) -> Program:
     rng = random.Random(seed)
     clipping = rng.choice(["none", "call", "option"])
     program = Program(seed, algorithm, max_grad_norm=0.05 if clipping == "option" else None,
@@ -105,7 +105,7 @@ def draw(seed: int, algorithm: str, failures: bool = True) -> Program:
             w.moment = rng.choice([0.0, 0.5, -1.0])
         w.resume = rng.random() < 0.12
         w.set_to_none = w.set_to_none or w.resume  # then a resume loses no .grad torch would keep
-        w.migrate = w.resume and rng.random() < 0.4
+        w.migrate = migrations and w.resume and rng.random() < 0.4
         if failures and passes and rng.random() < 0.06:
             w.fail = rng.randrange(passes)
         program.windows.append(w)
