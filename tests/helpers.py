@@ -27,6 +27,7 @@ import subprocess
 import sys
 import threading
 from collections import OrderedDict
+from collections.abc import Mapping
 from pathlib import Path
 
 import pytest
@@ -306,6 +307,36 @@ def expected(kind, init, history, *, exact, moment_dtype=torch.float32):
             ref.step()
         sched.step()
     return {n: p.detach() for n, p in params.items()}
+
+
+def clone_tree(obj, tensor=lambda t: t.detach().clone()):
+    """A deep copy of nested mappings, lists and tuples, each tensor copied by ``tensor``."""
+    if torch.is_tensor(obj):
+        return tensor(obj)
+    if isinstance(obj, Mapping):
+        return {k: clone_tree(v, tensor) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return type(obj)(clone_tree(v, tensor) for v in obj)
+    return obj
+
+
+def assert_bit_equal(a, b, where: str) -> None:
+    """Two nested structures (``clone_tree``'s) are equal: tensors bit for bit in dtype, shape
+    and values (NaN where NaN), the rest by value; ``where`` names the first difference."""
+    if torch.is_tensor(a):
+        assert torch.is_tensor(b) and a.dtype == b.dtype and a.shape == b.shape, where
+        assert torch.equal(a, b) or (a.dtype.is_floating_point and torch.equal(a.isnan(), b.isnan())
+                                     and torch.equal(a.nan_to_num(), b.nan_to_num())), where
+    elif isinstance(a, Mapping):
+        assert a.keys() == b.keys(), (where, a.keys(), b.keys())
+        for k in a:
+            assert_bit_equal(a[k], b[k], f"{where}/{k}")
+    elif isinstance(a, (list, tuple)):
+        assert len(a) == len(b), where
+        for j, (x, y) in enumerate(zip(a, b)):
+            assert_bit_equal(x, y, f"{where}/{j}")
+    else:
+        assert a == b, (where, a, b)
 
 
 def assert_same_state(a: dict, b: dict) -> None:

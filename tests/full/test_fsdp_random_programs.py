@@ -9,8 +9,8 @@ import sys
 import pytest
 import torch
 
-from helpers import SMALL, rank_main, run_ranks
-from test_random_programs import Run, assert_bit_equal, draw, expected_warnings
+from helpers import SMALL, assert_bit_equal, rank_main, run_ranks
+from test_random_programs import Run, draw, expected_warnings
 
 SEEDS = (0, 1)
 # NOTE: no failed passes (FSDP2 then needs reset_iter_state() on its root) and no resumes

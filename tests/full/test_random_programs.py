@@ -14,7 +14,6 @@ import contextlib
 import math
 import random
 import warnings
-from collections.abc import Mapping
 from unittest import mock
 from dataclasses import dataclass, field
 from typing import Optional
@@ -26,7 +25,8 @@ import torch.nn as nn
 import cpu_offload
 from cpu_offload import SignSGD
 from cpu_offload._full import device_state
-from helpers import HALF_STATE, SMALL, Boom, Net, normwise, records_of, watch_rollbacks, window_scale_of
+from helpers import (HALF_STATE, SMALL, Boom, Net, assert_bit_equal, clone_tree, normwise, records_of, watch_rollbacks,
+                     window_scale_of)
 
 HP = dict(lr=1e-2, betas=(0.9, 0.95), eps=1e-8)
 WINDOWS = 24
@@ -353,11 +353,11 @@ class Run:
         beside) from the plain torch optimizer's: no masters, which come from the model's
         fp32 weights (docs/checkpoints.md)."""
         if migrate and self.torch is not None:
-            opt_state = clone(self.torch.opt.state_dict())
+            opt_state = clone_tree(self.torch.opt.state_dict())
             model_state = {n: p.detach().clone() for n, p in self.torch.params.items()}
             self.migrated = True
         else:
-            opt_state, model_state = clone(self.opt.state_dict()), clone(self.model.state_dict())
+            opt_state, model_state = clone_tree(self.opt.state_dict()), clone_tree(self.model.state_dict())
         self.opt.close()
         self.resumes += 1
         self.model = self._new_model()
@@ -413,35 +413,9 @@ def check_norm(got, want, where):
         assert not math.isfinite(got), (where, got, want)
 
 
-def clone(obj, tensor=lambda t: t.detach().clone()):
-    if torch.is_tensor(obj):
-        return tensor(obj)
-    if isinstance(obj, Mapping):
-        return {k: clone(v, tensor) for k, v in obj.items()}
-    if isinstance(obj, (list, tuple)):
-        return type(obj)(clone(v, tensor) for v in obj)
-    return obj
-
-
 def gathered(obj):
-    """``clone`` with each DTensor's whole tensor (a collective: every rank calls it alike)."""
-    return clone(obj, lambda t: (t.full_tensor() if hasattr(t, "full_tensor") else t).detach().clone())
-
-
-def assert_bit_equal(a, b, where):
-    if torch.is_tensor(a):
-        assert torch.equal(a, b) or (a.dtype.is_floating_point and torch.equal(a.isnan(), b.isnan())
-                                     and torch.equal(a.nan_to_num(), b.nan_to_num())), where
-    elif isinstance(a, dict):
-        assert a.keys() == b.keys(), where
-        for k in a:
-            assert_bit_equal(a[k], b[k], f"{where}/{k}")
-    elif isinstance(a, (list, tuple)):
-        assert len(a) == len(b), where
-        for j, (x, y) in enumerate(zip(a, b)):
-            assert_bit_equal(x, y, f"{where}/{j}")
-    else:
-        assert a == b, where
+    """``clone_tree`` with each DTensor's whole tensor (a collective: every rank calls it alike)."""
+    return clone_tree(obj, lambda t: (t.full_tensor() if hasattr(t, "full_tensor") else t).detach().clone())
 
 
 # Configurations whose every window must step bit for bit like SMALL's (the one checked

@@ -16,7 +16,7 @@ import torch
 import torch.nn as nn
 
 from cpu_offload import offload_optimizer
-from helpers import Boom
+from helpers import Boom, assert_bit_equal, clone_tree
 
 WINDOWS = 20
 
@@ -135,7 +135,7 @@ class Loop:
 
     def _resume(self):
         model_state = {k: v.clone() for k, v in self.model.state_dict().items()}
-        opt_state = clone(self.opt.state_dict())
+        opt_state = clone_tree(self.opt.state_dict())
         self.model = self.shard(Net())
         self.model.load_state_dict(model_state)
         self.opt = self._make(self.model)
@@ -145,35 +145,13 @@ class Loop:
 
     def snapshot(self):
         grads = {n: None if p.grad is None else p.grad for n, p in self.model.named_parameters()}
-        return clone({"weights": dict(self.model.named_parameters()), "grads": grads, "state": self.opt.state_dict()},
-                     local=True)
+        return clone_tree({"weights": dict(self.model.named_parameters()), "grads": grads,
+                           "state": self.opt.state_dict()}, local_copy)
 
 
-def clone(obj, local=False):
-    """A deep copy; ``local``: each DTensor as its local shard (one rank: the whole tensor)."""
-    if torch.is_tensor(obj):
-        return (obj.to_local() if local and hasattr(obj, "to_local") else obj).detach().clone()
-    if isinstance(obj, dict):
-        return {k: clone(v, local) for k, v in obj.items()}
-    if isinstance(obj, (list, tuple)):
-        return type(obj)(clone(v, local) for v in obj)
-    return obj
-
-
-def assert_bit_equal(a, b, where):
-    if torch.is_tensor(a):
-        assert torch.is_tensor(b) and a.dtype == b.dtype and a.shape == b.shape, where
-        assert torch.equal(a, b) or torch.equal(a.nan_to_num(), b.nan_to_num()), where
-    elif isinstance(a, dict):
-        assert a.keys() == b.keys(), (where, a.keys(), b.keys())
-        for k in a:
-            assert_bit_equal(a[k], b[k], f"{where}/{k}")
-    elif isinstance(a, (list, tuple)):
-        assert len(a) == len(b), where
-        for j, (x, y) in enumerate(zip(a, b)):
-            assert_bit_equal(x, y, f"{where}/{j}")
-    else:
-        assert a == b, (where, a, b)
+def local_copy(t):
+    """A DTensor's local shard (one rank: the whole tensor), copied."""
+    return (t.to_local() if hasattr(t, "to_local") else t).detach().clone()
 
 
 def run_program(kind, seed, *, failures=True, shard=None):
