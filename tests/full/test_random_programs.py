@@ -1,21 +1,23 @@
 # Random training loops against full offload. Each seed draws one program of windows that
-# mixes what real loops do: accumulation windows of varying and short length, windows
-# dropped by zero_grad() without step(), step() with no backward, clipping by call or by
-# option, NaN losses, gradient factors announced before a backward or given after the last
-# it, zero_grad with and without set_to_none, parameters that get no gradient, learning-rate
-# and weight-decay changes, weights edited outside the optimizer, and resumes from a
-# checkpoint into a new model and wrapper, or from the plain torch optimizer's checkpoint. The program runs on configurations that the
-# numerics contract says step bit for bit alike (ring sizes, grad_copy, overlap_forward,
-# part of the state on the device), compared after every window, and each run is checked
-# against torch.optim.AdamW emulated literally (its .grad tensors, clip_grad_norm_,
-# zero_grad) on the gradients the run computed.
+# mixes what real loops do: accumulation windows of varying and short length (with and
+# without host accumulators), windows dropped by zero_grad() without step(), step() with no
+# backward, clipping by call (any norm type, also in the middle of a window) or by option,
+# NaN losses, gradient factors announced before a pass or given after the last, zero_grad
+# with and without set_to_none, parameters that get no gradient, learning-rate, weight-decay
+# and betas changes, moments written through opt.state, weights edited outside the
+# optimizer, passes whose backward raises, refused checkpoints in the middle of a window,
+# state round trips, and resumes into a new model and wrapper from the run's checkpoint or
+# from the plain torch optimizer's. The program runs on configurations that the numerics
+# contract says step bit for bit alike (CONFIGS), compared after every window, and each run
+# is checked against the torch optimizer emulated literally (its .grad tensors,
+# clip_grad_norm_, zero_grad) on the gradients the run computed.
 
 import contextlib
 import math
 import random
 import warnings
-from unittest import mock
 from dataclasses import dataclass, field
+from unittest import mock
 from typing import Optional
 
 import pytest
