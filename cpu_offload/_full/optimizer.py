@@ -581,9 +581,13 @@ class FullCPUOffloadOptimizer(WindowControls, torch.optim.Optimizer):
             # they are not kept here, so that step() does nothing; README.)
             adopt_external_weights(self._records)
         if self._proto.phase in (Phase.IDLE, Phase.ACCUMULATING):  # a short window
-            self._pipeline.begin_backward(micro=self._proto.micro, final=True, hparams=self._read_hparams())
-            self._proto.final = True
-            self._complete_window()
+            # NOTE: a Ctrl-C while the window completes is delivered once it has: raised in
+            # between, it aborted the window (the parameters not yet stepped lost the step)
+            # and the step() made again found nothing to do.
+            with deferred_interrupts():
+                self._pipeline.begin_backward(micro=self._proto.micro, final=True, hparams=self._read_hparams())
+                self._proto.final = True
+                self._complete_window()
         # NOTE: a Ctrl-C during the rollback and redo is delivered once the step is complete
         # and the window closed, so the state is the one after this step.
         with deferred_interrupts():

@@ -336,6 +336,45 @@ def test_a_ctrl_c_at_any_line_of_a_call_with_a_window_pending_changes_nothing(si
     assert k > 100
 
 
+def short_window_step(k=None, **opts):
+    """A Harness of 3-pass windows that clip: one window, then a short one of 2 passes whose
+    step() gets SIGINT at its ``k``-th line (then step() once more, as after any Ctrl-C), then
+    one more window. Returns the Harness, or None if step() ran fewer than ``k`` lines."""
+    h = Harness(k=3, timeout_s=10.0, max_grad_norm=1e-3, **opts)
+    h.train_normally(1, k=3)
+    h.window = {}
+    for _ in range(2):
+        h.backward()
+    if k is not None:
+        hit, raised = sigint_at_line(k, h.opt.step)
+        if not hit:
+            h.opt.close()
+            return None
+        assert isinstance(raised, KeyboardInterrupt), (k, raised)
+    h.opt.step()
+    h.opt.zero_grad()
+    h.train_normally(1, k=3)
+    return h
+
+
+@pytest.mark.parametrize("opts", [{}, {"gpu_state": HALF_STATE}], ids=["host", "half_on_the_device"])
+def test_a_ctrl_c_at_any_line_of_a_short_window_step_takes_the_step(sigint_raises, opts):
+    """step() after fewer passes than grad_accum_steps steps what was accumulated: a Ctrl-C at
+    any of its lines is raised once that step is taken. Before, one while the window completed
+    (its chunks queued or drained) aborted the window without a warning, so the parameters
+    not yet stepped lost the step, and step() made again found nothing to do."""
+    want = short_window_step(**opts)
+    k = 0
+    while (h := short_window_step(k + 1, **opts)) is not None:
+        k += 1
+        assert h.steps() == want.steps(), k
+        for n, m in h.masters().items():
+            assert torch.equal(m, want.masters()[n]), (k, n)
+        h.opt.close()
+    want.opt.close()
+    assert k > 50
+
+
 def one_step_after(model, opt) -> dict:
     """Wrap ``opt``, take one step on a fixed batch; the masters after it."""
     off = FullCPUOffloadOptimizer(opt, **SMALL)

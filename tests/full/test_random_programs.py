@@ -27,8 +27,8 @@ import torch.nn as nn
 import cpu_offload
 from cpu_offload import SignSGD
 from cpu_offload._full import device_state
-from helpers import (HALF_STATE, SMALL, Boom, Net, assert_bit_equal, clone_tree, normwise, records_of, watch_rollbacks,
-                     window_scale_of)
+from helpers import (HALF_STATE, SMALL, Boom, Net, assert_bit_equal, clone_tree, normwise, records_of, sigint_at_line,
+                     watch_rollbacks, window_scale_of)
 
 HP = dict(lr=1e-2, betas=(0.9, 0.95), eps=1e-8)
 WINDOWS = 24
@@ -58,6 +58,7 @@ class Window:
     resume: bool = False  # checkpoint after the window; a new model and wrapper load it
     migrate: bool = False  # ... the plain torch optimizer's checkpoint, the model its fp32 weights
     fail: int = -1  # the pass whose backward raises after the head's gradients (-1: none)
+    interrupt: Optional[tuple] = None  # (call, k): SIGINT at the call's k-th line, then the call again
 
 
 @dataclass
@@ -110,6 +111,9 @@ def draw(seed: int, algorithm: str, failures: bool = True, migrations: bool = Tr
         w.migrate = migrations and w.resume and rng.random() < 0.4
         if failures and passes and rng.random() < 0.06:
             w.fail = rng.randrange(passes)
+        if rng.random() < 0.25:
+            calls = ["zero_grad", "round_trip"] + (["step"] if passes and not w.drop else [])
+            w.interrupt = (rng.choice(calls), rng.randint(1, 300))
         program.windows.append(w)
     return program
 
@@ -192,9 +196,10 @@ class Run:
     options for the ``resumes``-th model (0 for the first); ``shard(model)``, when given,
     shards each new model with FSDP2 (then the check against torch is left to the caller)."""
 
-    def __init__(self, program: Program, options, *, state_dtype=torch.float32, resumes=True, shard=None):
+    def __init__(self, program: Program, options, *, state_dtype=torch.float32, resumes=True, shard=None,
+                 interrupts=False):
         self.program, self.options, self.state_dtype = program, options, state_dtype
-        self.resuming, self.shard = resumes, shard or (lambda model: model)
+        self.resuming, self.shard, self.interrupts = resumes, shard or (lambda model: model), interrupts
         self.resumes = 0
         self.model = self._new_model()
         self.torch = (TorchEmulation(self.model, program.algorithm)
@@ -244,7 +249,7 @@ class Run:
         if w.moment is not None:
             self._write_moment(w.moment)
         if w.round_trip:
-            opt.load_state_dict(opt.state_dict())
+            self._call(w, "round_trip", lambda: opt.load_state_dict(opt.state_dict()))
         if w.edit:
             opt.wait_for_weights()
             with torch.no_grad():
@@ -297,8 +302,8 @@ class Run:
             opt.scale_grads_(w.late)
         got_norm = float(opt.clip_grad_norm_(w.clip, w.norm_type)) if w.clip is not None else None
         if not w.drop:
-            opt.step()
-        opt.zero_grad(set_to_none=w.set_to_none)
+            self._call(w, "step", opt.step)
+        self._call(w, "zero_grad", lambda: opt.zero_grad(set_to_none=w.set_to_none))
         if norm is not None:
             check_norm(got_norm, norm, i)
         state = self.state()
@@ -306,6 +311,17 @@ class Run:
         if w.resume and self.resuming:
             self._resume(w.migrate)
         return state
+
+    def _call(self, w: Window, name: str, call) -> None:
+        """``call()``; on a run with interrupts, when the window says so, a SIGINT at its k-th
+        line first and, if it raised KeyboardInterrupt, the call again, as a user would."""
+        if self.interrupts and w.interrupt is not None and w.interrupt[0] == name:
+            hit, raised = sigint_at_line(w.interrupt[1], call)
+            if not hit:
+                assert raised is None, raised
+                return
+            assert isinstance(raised, KeyboardInterrupt), raised
+        call()
 
     def _failed_pass(self, i: int, w: Window, loss) -> dict:
         """The pass's backward raises once the head's gradients arrived; the loop drops the
@@ -428,7 +444,9 @@ def gathered(obj):
 # device's memory reading leaves room for after the third window: both bit for bit as long as
 # no step was rolled back and no pass failed (a device parameter is stepped once, when the
 # window closes). ``head fp32`` keeps the head's compute copy in fp32, so its forward runs
-# under autocast and only its own check against torch applies.
+# under autocast and only its own check against torch applies. ``interrupted`` delivers a
+# SIGINT at a line of step(), zero_grad() or a state round trip where the program says, then
+# makes the call again.
 CONFIGS = {
     "small rings": lambda model, resumes: dict(SMALL),
     "one chunk": lambda model, resumes: dict(pinned_bytes=4 * 65536, num_slots=4),
@@ -438,6 +456,7 @@ CONFIGS = {
     "auto": lambda model, resumes: dict(SMALL, gpu_state="auto"),
     "never resumed": lambda model, resumes: dict(SMALL),
     "head fp32": lambda model, resumes: dict(SMALL, keep_fp32=[model.head.weight]),
+    "interrupted": lambda model, resumes: dict(SMALL),
 }
 SPLIT = ("device", "auto")
 OWN_NUMERICS = ("head fp32",)  # the forward under autocast: checked against torch only
@@ -460,8 +479,8 @@ def run_program(seed, algorithm, state_dtype=torch.float32):
 
 
 def run_configs(program, state_dtype):
-    runs = {name: Run(program, options, state_dtype=state_dtype, resumes=name != "never resumed")
-            for name, options in CONFIGS.items()}
+    runs = {name: Run(program, options, state_dtype=state_dtype, resumes=name != "never resumed",
+                      interrupts=name == "interrupted") for name, options in CONFIGS.items()}
     base = runs["small rings"]
     try:
         with expected_warnings():
@@ -494,5 +513,6 @@ def longest_stepped_stretch(program) -> int:
 @pytest.mark.parametrize("algorithm, state_dtype", [("adamw", torch.float32), ("adamw", torch.bfloat16),
                                                     ("sign_sgd", torch.float32)], ids=["adamw", "adamw-bf16", "sign_sgd"])
 @pytest.mark.parametrize("seed", range(6))
-def test_a_random_program_steps_alike_on_every_configuration_and_like_torch(seed, algorithm, state_dtype):
+def test_a_random_program_steps_alike_on_every_configuration_and_like_torch(sigint_raises, seed, algorithm,
+                                                                              state_dtype):
     run_program(seed, algorithm, state_dtype)
