@@ -112,7 +112,8 @@ def draw(seed: int, algorithm: str, failures: bool = True, migrations: bool = Tr
         if failures and passes and rng.random() < 0.06:
             w.fail = rng.randrange(passes)
         if rng.random() < 0.25:
-            calls = ["zero_grad", "round_trip"] + (["step"] if passes and not w.drop else [])
+            calls = ["zero_grad", "round_trip"] + (["step"] if passes and not w.drop else []) + (
+                ["state_dict", "load"] if w.resume else [])
             w.interrupt = (rng.choice(calls), rng.randint(1, 300))
         program.windows.append(w)
     return program
@@ -210,7 +211,7 @@ class Run:
         self.moved = False  # some state was on the device after a window
         self._wrap()
 
-    def _wrap(self, state=None):
+    def _wrap(self, state=None, w=None):
         self.passes = {}  # name -> [gradient of each backward pass in the window]
         for n, p in self.model.named_parameters():
             if p.requires_grad:  # registered first: runs before the wrapper's hook
@@ -221,7 +222,7 @@ class Run:
             optimizer(groups_of(self.model), self.program.algorithm), offload="full", grad_accum_steps=self.program.largest,
             max_grad_norm=self.program.max_grad_norm, **extra, **self.options(self.model, self.resumes))
         if state is not None:
-            self.opt.load_state_dict(state)
+            self._call(w, "load", lambda: self.opt.load_state_dict(state))
         watch_rollbacks(self.opt, self._rolled_back)
 
     def _rolled_back(self, stepped) -> None:
@@ -309,19 +310,20 @@ class Run:
         state = self.state()
         self.moved = self.moved or any(r.on_device for r in records_of(opt))
         if w.resume and self.resuming:
-            self._resume(w.migrate)
+            self._resume(w)
         return state
 
-    def _call(self, w: Window, name: str, call) -> None:
+    def _call(self, w: Optional[Window], name: str, call):
         """``call()``; on a run with interrupts, when the window says so, a SIGINT at its k-th
         line first and, if it raised KeyboardInterrupt, the call again, as a user would."""
-        if self.interrupts and w.interrupt is not None and w.interrupt[0] == name:
-            hit, raised = sigint_at_line(w.interrupt[1], call)
+        if self.interrupts and w is not None and w.interrupt is not None and w.interrupt[0] == name:
+            out = []
+            hit, raised = sigint_at_line(w.interrupt[1], lambda: out.append(call()))
             if not hit:
                 assert raised is None, raised
-                return
+                return out[0]
             assert isinstance(raised, KeyboardInterrupt), raised
-        call()
+        return call()
 
     def _failed_pass(self, i: int, w: Window, loss) -> dict:
         """The pass's backward raises once the head's gradients arrived; the loop drops the
@@ -341,7 +343,7 @@ class Run:
             self.rollback_error = 0.0
         state = self.state()
         if w.resume and self.resuming:
-            self._resume(w.migrate)
+            self._resume(w)
         return state
 
     def mixed(self) -> bool:
@@ -366,21 +368,22 @@ class Run:
             theirs = self.torch.opt.state[self.torch.params["l1.weight"]]
             theirs["exp_avg"] = theirs["exp_avg"] * factor
 
-    def _resume(self, migrate: bool) -> None:
-        """A new model and wrapper from this run's checkpoint, or (``migrate``, when torch runs
-        beside) from the plain torch optimizer's: no masters, which come from the model's
+    def _resume(self, w: Window) -> None:
+        """A new model and wrapper from this run's checkpoint, or (``w.migrate``, when torch
+        runs beside) from the plain torch optimizer's: no masters, which come from the model's
         fp32 weights (docs/checkpoints.md)."""
-        if migrate and self.torch is not None:
+        if w.migrate and self.torch is not None:
             opt_state = clone_tree(self.torch.opt.state_dict())
             model_state = {n: p.detach().clone() for n, p in self.torch.params.items()}
             self.migrated = True
         else:
-            opt_state, model_state = clone_tree(self.opt.state_dict()), clone_tree(self.model.state_dict())
+            opt_state = clone_tree(self._call(w, "state_dict", self.opt.state_dict))
+            model_state = clone_tree(self.model.state_dict())
         self.opt.close()
         self.resumes += 1
         self.model = self._new_model()
         self.model.load_state_dict(model_state)
-        self._wrap(opt_state)
+        self._wrap(opt_state, w)
         if self.torch is not None:
             self.torch.resumed()
 
