@@ -179,6 +179,21 @@ class Boom(torch.autograd.Function):
         return g
 
 
+class StateNet(nn.Module):
+    """Two layers (seeded), the second's gradients first, a Boom between them, and a layer
+    that never gets a gradient: the "optimizer" mode's tests' model."""
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.a = nn.Linear(12, 16)
+        self.b = nn.Linear(16, 4)
+        self.unused = nn.Linear(4, 4)  # never gets a gradient
+
+    def forward(self, x):
+        return self.b(Boom.apply(torch.tanh(self.a(x))))
+
+
 # ------------------------------------------------ full offload on CPU parameters
 
 # gpu_state= for about half of Net's 6293 trained elements with fp32 AdamW state (12 B each),

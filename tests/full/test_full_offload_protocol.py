@@ -324,16 +324,23 @@ def test_a_ctrl_c_at_any_line_of_a_call_with_a_window_pending_changes_nothing(si
     window had closed but before the phase moved on: the call made again closed the window a
     second time, which reset the factor the next window speculates with, so that window was
     stepped with factor 1 and redone (its masters 1e-4 off, not 1e-7)."""
-    want = call_after_a_clipped_window(name, **opts)
+    assert_every_interrupt_ends_alike(lambda k: call_after_a_clipped_window(name, k, **opts), more_than=100)
+
+
+def assert_every_interrupt_ends_alike(run, more_than: int) -> None:
+    """``run(k)`` interrupts its call at line ``k`` (None: not at all) and returns the Harness
+    after it, or None once the call ran fewer lines: at every line the step counts and masters
+    equal the uninterrupted run's, bit for bit; the call ran more than ``more_than`` lines."""
+    want = run(None)
     k = 0
-    while (h := call_after_a_clipped_window(name, k + 1, **opts)) is not None:
+    while (h := run(k + 1)) is not None:
         k += 1
         assert h.steps() == want.steps(), k
         for n, m in h.masters().items():
             assert torch.equal(m, want.masters()[n]), (k, n)
         h.opt.close()
     want.opt.close()
-    assert k > 100
+    assert k > more_than
 
 
 def short_window_step(k=None, **opts):
@@ -363,16 +370,7 @@ def test_a_ctrl_c_at_any_line_of_a_short_window_step_takes_the_step(sigint_raise
     any of its lines is raised once that step is taken. Before, one while the window completed
     (its chunks queued or drained) aborted the window without a warning, so the parameters
     not yet stepped lost the step, and step() made again found nothing to do."""
-    want = short_window_step(**opts)
-    k = 0
-    while (h := short_window_step(k + 1, **opts)) is not None:
-        k += 1
-        assert h.steps() == want.steps(), k
-        for n, m in h.masters().items():
-            assert torch.equal(m, want.masters()[n]), (k, n)
-        h.opt.close()
-    want.opt.close()
-    assert k > 50
+    assert_every_interrupt_ends_alike(lambda k: short_window_step(k, **opts), more_than=50)
 
 
 def one_step_after(model, opt) -> dict:

@@ -13,12 +13,12 @@ import io
 
 import pytest
 import torch
-import torch.nn as nn
 
 from cpu_offload import StateOffloadOptimizer, offload_optimizer
 from cpu_offload._common.dtensor import local_of
 from cpu_offload._state.copies import SyncStateCopies
 from helpers import Boom, sigint_at_line, state_staging_of
+from helpers import StateNet as Net
 
 CPU = torch.device("cpu")
 
@@ -50,18 +50,6 @@ OPTIMIZERS = {
     "heavy_ball": lambda ps: HeavyBall(ps),
     "adagrad": lambda ps: torch.optim.Adagrad(ps, lr=1e-2),  # state made at construction, on the device
 }
-
-
-class Net(nn.Module):
-    def __init__(self):
-        super().__init__()
-        torch.manual_seed(0)
-        self.a = nn.Linear(12, 16)
-        self.b = nn.Linear(16, 4)
-        self.unused = nn.Linear(4, 4)  # never gets a gradient
-
-    def forward(self, x):
-        return self.b(Boom.apply(torch.tanh(self.a(x))))
 
 
 def batch(step, micro=0):
