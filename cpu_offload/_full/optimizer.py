@@ -568,8 +568,7 @@ class FullCPUOffloadOptimizer(WindowControls, torch.optim.Optimizer):
         self._check_frozen()
         self._check_no_bypassed_grads()
         t0, blocked_before = time.perf_counter(), self._proto.blocked_s
-        holding = self._proto.zeroed and any(r.holds_grad for r in self._records)
-        if self._proto.phase is Phase.IDLE and not holding:
+        if self._proto.phase is Phase.IDLE and not (self._proto.zeroed and any(r.holds_grad for r in self._records)):
             self._validator.open_window()  # a factor announced for a window that never ran
             return loss
         self._pipeline.trace.mark("step_begin", at=t0)
