@@ -137,21 +137,31 @@ def is_interruptible_line(frame, event) -> bool:
     return event == "line" and not linecache.getline(frame.f_code.co_filename, frame.f_lineno).lstrip().startswith("with ")
 
 
-def sigint_at_line(k: int, call) -> tuple:
+def sigint_at_line(k: int, call, start: str | None = None) -> tuple:
     """Run ``call()`` with SIGINT raised at the ``k``-th line the package runs on this thread
     (its handler then runs as a real Ctrl-C's would: at once, or where ``deferred_interrupts``
-    delivers it). Returns (whether ``call`` ran ``k`` such lines (``is_interruptible_line``),
-    what it raised or None). Needs the ``sigint_raises`` fixture."""
+    delivers it); with ``start``, only lines run inside the package's function of that name
+    (its first call). Returns (whether ``call`` ran ``k`` such lines (``is_interruptible_line``), what it
+    raised or None). Needs the ``sigint_raises`` fixture."""
     package = str(Path(kernels.__file__).parent)
-    seen = [0]
+    seen, started = [0], [start is None]
 
     def local(frame, event, arg):
-        if is_interruptible_line(frame, event):
+        if started[0] and is_interruptible_line(frame, event):
             seen[0] += 1
             if seen[0] == k:
                 signal.raise_signal(signal.SIGINT)
+        if event == "return" and frame.f_code.co_name == start:
+            started[0] = None  # NOTE: not again (None is falsy and not False)
         return local
-    sys.settrace(lambda frame, event, arg: local if frame.f_code.co_filename.startswith(package) else None)
+
+    def entered(frame, event, arg):
+        if not frame.f_code.co_filename.startswith(package):
+            return None
+        if started[0] is False and frame.f_code.co_name == start:
+            started[0] = True
+        return local
+    sys.settrace(entered)
     raised = None
     try:
         call()

@@ -64,7 +64,8 @@ class _TaskCallback:
         watch.on_end()
 
     def __del__(self) -> None:
-        if not self.called:
+        # NOTE: a Ctrl-C inside __init__ leaves the fields unset; such a callback was never queued
+        if not getattr(self, "called", True):
             self.watch.died()
 
 
@@ -85,7 +86,7 @@ class _NodeHook:
             torch.autograd.Variable._execution_engine.queue_callback(_TaskCallback(self.watch))
 
     def __del__(self) -> None:
-        if not self.called:
+        if not getattr(self, "called", True):  # NOTE: as in _TaskCallback
             self.watch.died()
 
 

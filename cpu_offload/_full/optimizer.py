@@ -426,6 +426,13 @@ class FullCPUOffloadOptimizer(WindowControls, torch.optim.Optimizer):
                                       deferred=self._proto.final and self._validator.defers())
 
     def _backward_ended(self, gen: int) -> None:
+        # NOTE: a Ctrl-C once a backward has ended is raised when the pass is recorded (and,
+        # after the last pass, the window complete: step() then takes it); aborted here, the
+        # window would lose the gradients that had all arrived.
+        with deferred_interrupts():
+            self._end_backward(gen)
+
+    def _end_backward(self, gen: int) -> None:
         if gen != self._proto.gen or self._proto.phase is not Phase.BACKWARD:
             return
         self._pipeline.trace.mark("backward_end", self._proto.micro)
@@ -497,9 +504,8 @@ class FullCPUOffloadOptimizer(WindowControls, torch.optim.Optimizer):
         if not late and self._pipeline.in_flight:
             self._guarded(lambda: land_window(self._records, self._pipeline, self._transfer))
         self._guarded(self._device.read_norms)
-        with deferred_interrupts():  # NOTE: a Ctrl-C during the validation lands after it, in APPLIED
-            self._guarded(self._validator.after_final_pass)
-            self._proto.move(Phase.APPLIED)
+        self._guarded(self._validator.after_final_pass)
+        self._proto.move(Phase.APPLIED)
 
     def _guarded(self, work) -> None:
         """Run ``work`` on an open window, counting its time as blocked; on a failure

@@ -373,6 +373,36 @@ def test_a_ctrl_c_at_any_line_of_a_short_window_step_takes_the_step(sigint_raise
     assert_every_interrupt_ends_alike(lambda k: short_window_step(k, **opts), more_than=50)
 
 
+def end_of_last_backward(k=None, warm=1, **opts):
+    """A Harness that clips every step: ``warm`` steps, then a window whose backward gets
+    SIGINT at the ``k``-th line counted from the optimizer's end-of-backward signal (then
+    step() as after any Ctrl-C), then one more window. Returns the Harness, or None if the
+    end of that backward ran fewer than ``k`` lines."""
+    h = Harness(timeout_s=10.0, max_grad_norm=1e-3, **opts)
+    h.train_normally(warm)
+    if k is None:
+        h.backward()
+    else:
+        hit, raised = sigint_at_line(k, h.backward, start="_end_backward")
+        if not hit:
+            h.opt.close()
+            return None
+        assert isinstance(raised, KeyboardInterrupt), (k, raised)
+    h.opt.step()
+    h.opt.zero_grad()
+    h.train_normally(1)
+    return h
+
+
+@pytest.mark.parametrize("warm, opts", [(0, {}), (1, {}), (1, {"gpu_state": HALF_STATE})])
+def test_a_ctrl_c_at_any_line_of_the_end_of_the_last_backward_keeps_the_window(sigint_raises, warm, opts):
+    """Once the last backward of a window has ended, a Ctrl-C is raised when the window is
+    complete, and step() takes it. Before, one while the window's chunks were queued,
+    landed or validated aborted the window without a warning: every gradient of the window
+    was dropped (or, unclipped, those not yet stepped), and step() found nothing to do."""
+    assert_every_interrupt_ends_alike(lambda k: end_of_last_backward(k, warm, **opts), more_than=50)
+
+
 def one_step_after(model, opt) -> dict:
     """Wrap ``opt``, take one step on a fixed batch; the masters after it."""
     off = FullCPUOffloadOptimizer(opt, **SMALL)
