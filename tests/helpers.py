@@ -137,6 +137,17 @@ def is_interruptible_line(frame, event) -> bool:
     return event == "line" and not linecache.getline(frame.f_code.co_filename, frame.f_lineno).lstrip().startswith("with ")
 
 
+def _in_finalizer(frame) -> bool:
+    """Whether ``frame`` runs under a ``__del__``, which the garbage collector may run at any
+    point: a KeyboardInterrupt raised there is reported as unraisable and dropped (Python's
+    rule, whoever raises it), so such lines are not counted."""
+    while frame is not None:
+        if frame.f_code.co_name == "__del__":
+            return True
+        frame = frame.f_back
+    return False
+
+
 def sigint_at_line(k: int, call, start: str | None = None) -> tuple:
     """Run ``call()`` with SIGINT raised at the ``k``-th line the package runs on this thread
     (its handler then runs as a real Ctrl-C's would: at once, or where ``deferred_interrupts``
@@ -156,7 +167,7 @@ def sigint_at_line(k: int, call, start: str | None = None) -> tuple:
         return local
 
     def entered(frame, event, arg):
-        if not frame.f_code.co_filename.startswith(package):
+        if not frame.f_code.co_filename.startswith(package) or _in_finalizer(frame):
             return None
         if started[0] is False and frame.f_code.co_name == start:
             started[0] = True
@@ -166,7 +177,7 @@ def sigint_at_line(k: int, call, start: str | None = None) -> tuple:
     try:
         call()
     except BaseException as e:  # NOTE: KeyboardInterrupt is the expected one
-        raised = e
+        raised = e.with_traceback(None)  # NOTE: frees the interrupted frames, as a loop that goes on does
     finally:
         sys.settrace(None)
     return seen[0] >= k, raised

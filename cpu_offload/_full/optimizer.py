@@ -14,8 +14,10 @@
 # closed as after an aborted backward, and the next window works again. When the
 # last backward ends, the speculative step is validated (validation.py):
 # skipped on a non-finite gradient, redone when clipping changes its factor.
-# NOTE: a rollback or redo (and a load) is atomic against Ctrl-C (_common/interrupts.py): the
-# KeyboardInterrupt is raised once the call's mutation is complete.
+# NOTE: a rollback or redo (and a load), and the work at the end of a backward, are atomic
+# against Ctrl-C (_common/interrupts.py): the KeyboardInterrupt is raised once the mutation is
+# complete. A backward that raised is recovered at the next call, or before the next module
+# forward (_common/backward_end.py's NextForwardHook), whichever comes first.
 #
 # Scope: construction (checks, binding, host state, pinned rings, hooks), the
 # protocol above, zero_grad, clip_grad_norm_, stats, close. Non-goals:
@@ -35,7 +37,7 @@ import torch
 
 from cpu_offload._full import checkpoint
 from cpu_offload._full import ownership
-from cpu_offload._common.backward_end import outside_backward, watch_backward
+from cpu_offload._common.backward_end import NextForwardHook, outside_backward, watch_backward
 from cpu_offload._full.host_state import (
     adopt_external_weights, allocate_host_state, allocate_retained, available_host_ram, cast_to_compute,
     check_fsdp_not_started, check_host_ram,
@@ -330,6 +332,9 @@ class FullCPUOffloadOptimizer(WindowControls, torch.optim.Optimizer):
                         overlap_forward, records,
                         wait=lambda recs, fsdp: None if (w := ref()) is None else w._await_weights(recs, fsdp),
                         land=lambda: None if (w := ref()) is None else w.wait_for_weights()))
+                self._next_forward = NextForwardHook(
+                    lambda: None if (w := ref()) is None else w._recover_before_forward())
+                handles.append(self._next_forward)
                 self._finalizer = weakref.finalize(self, _shutdown, records, self._pipeline, transfer, handles, trace)
                 if any(dtype.itemsize > compute_dtype.itemsize for dtype in originals.values()):
                     watch_first_forward(self, compute_dtype)  # explains the dtype error of fp32 inputs
@@ -413,6 +418,7 @@ class FullCPUOffloadOptimizer(WindowControls, torch.optim.Optimizer):
         watch_backward(lambda: None if (w := ref()) is None else w._backward_ended(gen),
                        lambda: None if (w := ref()) is None else w._backward_died(gen))
         self._proto.move(Phase.BACKWARD)
+        self._next_forward.arm()  # NOTE: disarmed when this backward ends; if it dies, see _recover_before_forward
         if new_window:
             self._check_frozen()
             adopt_external_weights(self._records)
@@ -435,6 +441,7 @@ class FullCPUOffloadOptimizer(WindowControls, torch.optim.Optimizer):
     def _end_backward(self, gen: int) -> None:
         if gen != self._proto.gen or self._proto.phase is not Phase.BACKWARD:
             return
+        self._next_forward.remove()
         self._pipeline.trace.mark("backward_end", self._proto.micro)
         self._pipeline.end_backward()
         if not self._proto.final:
@@ -447,11 +454,19 @@ class FullCPUOffloadOptimizer(WindowControls, torch.optim.Optimizer):
         if gen == self._proto.gen:
             self._proto.died = gen  # NOTE: may run on another thread: only record it
 
+    def _recover_before_forward(self) -> None:
+        """A module forward while a backward that died is not yet recovered: recover first.
+        Later (at the next backward's first gradient) the recovery would write weights the
+        forward already read: autograd then raises that they changed in place."""
+        if self._proto.died == self._proto.gen and self._proto.phase is Phase.BACKWARD:
+            self._settle()
+
     def _settle(self, *, in_backward: bool = False) -> None:
         """Recover from a backward that raised; raise a pending worker failure once."""
         proto = self._proto
-        # NOTE: a backward that died before its window began (still IDLE) left nothing to recover.
-        died = proto.died == proto.gen and proto.phase is not Phase.IDLE
+        # NOTE: a backward that died before its window began (still IDLE) left nothing to
+        # recover, nor one whose end was recorded before it raised (a Ctrl-C held back there).
+        died = proto.died == proto.gen and proto.phase is Phase.BACKWARD
         if died or (proto.phase is Phase.BACKWARD and not in_backward and outside_backward()):
             self._proto.move(Phase.ABORTED)
             self._recover()
@@ -466,12 +481,19 @@ class FullCPUOffloadOptimizer(WindowControls, torch.optim.Optimizer):
         """ABORTED -> IDLE: finish what was staged, count what was stepped, drop the rest."""
         micro, final = self._proto.micro, self._proto.final
         self._proto.gen += 1  # signals of the dead backward are stale from here on
+        self._next_forward.remove()
         try:
             stepped, torn = salvage_window(self._records, self._pipeline, self._transfer)
         finally:
             self._close_window(abandoned=True)
             self._proto.move(Phase.IDLE)
             self._proto.zeroed = False  # the window's gradients are discarded, not zeros
+            if outside_backward():
+                # NOTE: a gradient the dead backward left in .grad (its hook never took it)
+                # is discarded with the window: autograd would add the next one to it.
+                # (Inside the next backward, one may already be that backward's.)
+                for rec in self._records:
+                    rec.param.grad = None
         if torn:
             raise RuntimeError(f"parameters {torn} were only partly updated when the backward pass failed; "
                                "their masters no longer match a whole step: reload the last checkpoint")

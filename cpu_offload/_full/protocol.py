@@ -53,7 +53,7 @@ TRANSITIONS = {
     (Phase.APPLIED, Phase.IDLE): "step(), zero_grad() or load_state_dict() closed the window",
     (Phase.ACCUMULATING, Phase.IDLE): "zero_grad() discarded the window",
     (Phase.IDLE, Phase.IDLE): "zero_grad() between windows",
-    (Phase.BACKWARD, Phase.ABORTED): "the backward pass raised",
+    (Phase.BACKWARD, Phase.ABORTED): "the backward pass raised (seen at the next call, module forward or gradient)",
     (Phase.ACCUMULATING, Phase.ABORTED): "a worker failure, or a failure while finishing the window",
     (Phase.APPLIED, Phase.ABORTED): "a worker failure, or a failure of the rollback and redo",
     (Phase.ABORTED, Phase.IDLE): "recovered: the stepped parameters count the step, the rest is discarded",

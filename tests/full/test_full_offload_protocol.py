@@ -253,6 +253,62 @@ def test_an_interrupt_anywhere_in_a_backward_recovers_exactly(counted, at_least)
     assert k > at_least  # every such point of one backward of this model was hit
 
 
+@pytest.mark.parametrize("opts", [{}, {"max_grad_norm": 1e-3}], ids=["unclipped", "clipped"])
+def test_after_a_ctrl_c_at_any_line_of_a_backward_the_next_window_trains_exactly(sigint_raises, opts):
+    """A loop that goes on after a Ctrl-C in backward (as one that skips a failed batch): the
+    next forward runs on recovered weights and no stale gradient, the next window trains as
+    torch would. Before, the recovery ran at the next backward's first gradient and wrote
+    weights that forward had saved (autograd raised that they were modified in place); a
+    Ctrl-C in the callback that ends a backward left the next one raising that a gradient
+    arrived twice; and a gradient left in ``.grad`` was added to the next window's. (A
+    backward that died before its window began, in its first hook's first line, leaves what
+    autograd wrote in ``.grad`` as torch does: the next backward adds to it, as torch's would.)"""
+    k = 0
+    while True:
+        k += 1
+        h = Harness(timeout_s=10.0, **opts)
+        h.train_normally(1)
+        h.window = {}
+        before = h.steps()
+        hit, raised = sigint_at_line(k, h.backward)
+        if not hit:
+            h.opt.close()
+            break
+        assert isinstance(raised, KeyboardInterrupt), (k, raised)
+        interrupted, h.window = h.window, {}
+        began = phase_of(h.opt) is not Phase.IDLE
+        if phase_of(h.opt) is Phase.APPLIED:  # the window completed: the next backward would ask for step()
+            h.opt.step()
+            h.opt.zero_grad()
+        at_forward = []
+        check = h.model.register_forward_pre_hook(
+            lambda m, args, h=h, seen=at_forward: seen.append((h.steps(), [p.grad for p in m.parameters()
+                                                                           if p.grad is not None])))
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            h.backward()
+        check.remove()
+        steps, held = at_forward[0]
+        stepped = {n for n in steps if steps[n] != before[n]}
+        assert held == [] or not (began or stepped), k
+        counts = [int(m.group(1)) for m in map(re.compile(r"(\d+) of 6 parameters had their update").search,
+                                                [str(w.message) for w in caught]) if m]
+        assert counts in ([len(stepped)], []), (k, counts)
+        assert counts or stepped in (set(), set(interrupted)), k
+        window, h.window = h.window, interrupted
+        if stepped == set(interrupted) and not counts:
+            h.ref_window_step()  # the whole window, clipped when the optimizer clips
+        else:
+            h.ref_step({n: g for n, g in interrupted.items() if n in stepped})
+        h.window = window
+        h.opt.step()
+        h.opt.zero_grad()
+        h.ref_window_step()
+        h.check()
+        h.opt.close()
+    assert k > 500
+
+
 @pytest.mark.parametrize("warm, opts", [(0, {}), (2, {}), (0, {"grad_copy": "host"}), (2, {"gpu_state": HALF_STATE})])
 def test_a_ctrl_c_at_any_line_of_a_clipped_step_leaves_the_clipped_step(sigint_raises, warm, opts):
     """Every step clips: the first one speculates with factor 1 during backward and rolls back
