@@ -1,6 +1,6 @@
 # The random training programs of test_random_programs.py under FSDP2 on the CPU: two gloo
-# processes run one program on a sharded model (its checkpoints, resumes, edits and state
-# writes through DTensors) and must match one process running it unsharded, bit for bit,
+# processes run one program on a sharded model (its checkpoints, resumes, edits, state
+# writes through DTensors, and failed passes followed by reset_iter_state()) and must match one process running it unsharded, bit for bit,
 # after every window: the global norm for clipping, a skipped step on every rank, the
 # rollbacks and redos on each rank's shard.
 import os
@@ -13,9 +13,16 @@ from helpers import SMALL, assert_bit_equal, rank_main, run_ranks
 from test_random_programs import Run, draw, expected_warnings
 
 SEEDS = (0, 1)
-# NOTE: no failed passes (FSDP2 then needs reset_iter_state() on its root) and no resumes
-# from torch's checkpoint (the sharded ranks run no torch beside them).
-PROGRAMS = dict(failures=False, migrations=False)
+def program_of(seed: int):
+    """The program of ``seed``, without resumes from torch's checkpoint (the sharded ranks
+    run no torch beside them). NOTE: a pass that fails does not use ``extra``: FSDP2 reduces
+    the root group's gradients (``extra``'s) only once the whole backward has ended, so in
+    a failed pass they reach the optimizer in one process only, and only there count a step."""
+    program = draw(seed, "adamw", migrations=False)
+    for w in program.windows:
+        if w.fail >= 0:
+            w.extra[w.fail] = False
+    return program
 # The sharded runs' options; overlap_forward puts its hooks on FSDP2's groups.
 CONFIGS = {"small rings": lambda model: dict(SMALL), "overlap_forward": lambda model: dict(SMALL, overlap_forward=model)}
 
@@ -33,7 +40,7 @@ def program_worker(out_dir: str, seed: int, config: str) -> None:
             fully_shard(layer, mesh=mesh)
         return fully_shard(model, mesh=mesh)
 
-    program = draw(seed, "adamw", **PROGRAMS)
+    program = program_of(seed)
     run = Run(program, lambda model, resumes: CONFIGS[config](model), shard=shard)
     with expected_warnings():
         states = [run.window(i, w) for i, w in enumerate(program.windows)]
@@ -48,7 +55,7 @@ def program_worker(out_dir: str, seed: int, config: str) -> None:
 def test_a_random_program_on_two_fsdp2_ranks_equals_one_process(tmp_path, seed, config):
     run_ranks(__file__, [str(tmp_path), str(seed), config], world=2, timeout_s=300)
     sharded = torch.load(tmp_path / f"program{seed}.pt")
-    program = draw(seed, "adamw", **PROGRAMS)
+    program = program_of(seed)
     run = Run(program, lambda model, resumes: dict(SMALL))
     try:
         with expected_warnings():

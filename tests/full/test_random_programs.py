@@ -335,6 +335,8 @@ class Run:
                 loss.backward()
         finally:
             Boom.armed = None
+        if hasattr(self.model, "reset_iter_state"):  # FSDP2 asks for it after a backward that raised
+            self.model.reset_iter_state()
         self.opt.zero_grad()
         self.passes.clear()
         self.splits_agree = False  # device parameters are stepped when a window closes: not this one
