@@ -385,7 +385,8 @@ class FullCPUOffloadOptimizer(WindowControls, torch.optim.Optimizer):
             raise TypeError(f"the gradient of {rec.name} is {grad.layout}: full offload needs dense gradients "
                             "(build nn.Embedding / EmbeddingBag with sparse=False)")
         if rec.arrived == self._proto.micro:
-            raise RuntimeError(f"the gradient of {rec.name} arrived twice in one backward pass")
+            raise RuntimeError(f"the gradient of {rec.name} arrived twice in one backward pass (after a backward "
+                               "that was interrupted and whose exception is still held, call zero_grad() first)")
         grad = local_of(grad)
         compute = rec.local()
         if grad.dtype != compute.dtype:
