@@ -306,14 +306,15 @@ def restore_dtypes(records: Iterable[ParamRecord], originals: dict) -> None:
 
 
 def _version_of(rec: ParamRecord) -> tuple:
-    """What changes when the compute copy is written: its version counters and its storage.
+    """What changes when the compute copy is written: its version counters, its storage
+    and its dtype (last).
 
     NOTE: an in-place op on an FSDP2 parameter (a DTensor: ``p.mul_``, the ``copy_`` of
     ``model.load_state_dict``) runs on the local shard below autograd, which leaves the
     shard's version counter as it was: only the DTensor's own counter moves.
     """
     local = rec.local()
-    return rec.param._version, local._version, local.data_ptr()
+    return rec.param._version, local._version, local.data_ptr(), local.dtype
 
 
 def note_versions(records: Iterable[ParamRecord]) -> None:
@@ -335,6 +336,13 @@ def adopt_external_weights(records: Iterable[ParamRecord]) -> None:
         version = _version_of(rec)
         if version == rec.version:
             continue
+        if version[-1] != rec.version[-1]:
+            # NOTE: taken for new weights, the cast compute copies would replace the masters
+            # by their rounded values (model.float()), or fail in the kernels (half, double).
+            raise TypeError(
+                f"the compute copy of {rec.name} is now {version[-1]}, but full offload keeps it in "
+                f"{rec.version[-1]}: the model was cast after offload_optimizer wrapped it (model.float(), "
+                f".half(), .to(dtype)); cast it back (model.to({rec.version[-1]})), or cast before wrapping")
         current = rec.local().detach().reshape(-1).to(rec.master.device)
         if not torch.equal(current, rec.master.to(current.dtype)):
             rec.master.copy_(current)

@@ -144,6 +144,41 @@ def test_constructor_errors(monkeypatch):
     assert model.l1.weight.dtype == torch.float32  # nothing was cast
 
 
+@pytest.mark.parametrize("convert, dtype", [("float", torch.float32), ("half", torch.float16),
+                                            ("double", torch.float64)])
+def test_a_model_cast_after_wrapping_is_refused_and_keeps_its_masters(convert, dtype):
+    """``model.float()`` after wrapping made the next window take the cast compute copies
+    (the masters rounded to bf16) for new masters: their low bits were lost without a word;
+    ``half()`` and ``double()`` failed only in the worker, at the step. Now the next backward
+    raises, naming the parameter; cast back, training goes on from the kept masters."""
+    x = torch.randn(4, 24)
+    runs = []
+    for cast in (False, True):
+        model, opt = build("adamw")
+        off = FullCPUOffloadOptimizer(opt, **SMALL)
+        model(x.to(torch.bfloat16)).float().pow(2).mean().backward()
+        off.step()
+        off.zero_grad()
+        if cast:
+            masters = [r.master.clone() for r in records_of(off)]
+            assert any(not torch.equal(m, m.to(torch.bfloat16).float()) for m in masters)  # low bits to lose
+            weights = [p.detach().clone() for p in model.parameters()]
+            getattr(model, convert)()
+            with pytest.raises(TypeError, match=rf"compute copy of param_groups\[\d\]\[\d\] is now {dtype}"):
+                model(x.to(dtype)).float().pow(2).mean().backward()
+            with pytest.warns(RuntimeWarning, match="0 of 8 parameters had their update applied"):
+                off.zero_grad()
+            assert all(torch.equal(r.master, m) for r, m in zip(records_of(off), masters))
+            for p, was in zip(model.parameters(), weights):  # cast back (half() rounded some, and the frozen one)
+                p.data = was
+        model(x.to(torch.bfloat16)).float().pow(2).mean().backward()
+        off.step()
+        runs.append([(r.step, r.master) for r in records_of(off)])
+        off.close()
+    for (step, master), (want_step, want) in zip(runs[1], runs[0]):
+        assert step == want_step and torch.equal(master, want)
+
+
 def test_add_param_group_rejected():
     model, opt = build("adamw")
     off = FullCPUOffloadOptimizer(opt, **SMALL)
