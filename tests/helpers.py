@@ -457,9 +457,11 @@ def normwise(a, b):
     return float((a - b).norm() / b.norm().clamp_min(1e-30))
 
 
-def train(kind, k, steps, *, clip=None, loss_scale=lambda s: LOSS_SCALES[s % len(LOSS_SCALES)], **opts):
-    """Full offload with ``clip_grad_norm_(clip)`` before each step; returns the
-    model, the wrapper, the initial weights, the captured grads and the norms."""
+def train(kind, k, steps, *, clip=None, loss_scale=lambda s: LOSS_SCALES[s % len(LOSS_SCALES)], clip_with=None,
+          **opts):
+    """Full offload with ``clip_grad_norm_(clip)`` before each step (the wrapper's, or
+    ``clip_with(model, clip)``); returns the model, the wrapper, the initial weights, the
+    captured grads and the norms."""
     model, opt = build(kind)
     init = {n: p.detach().clone() for n, p in model.named_parameters()}
     grads = capture(model)
@@ -470,7 +472,7 @@ def train(kind, k, steps, *, clip=None, loss_scale=lambda s: LOSS_SCALES[s % len
         for x, extra in batches(s, k):
             (model(x.to(torch.bfloat16), use_extra=extra).float().pow(2).mean() * loss_scale(s)).backward()
         if clip is not None:
-            norms.append(off.clip_grad_norm_(clip))
+            norms.append(off.clip_grad_norm_(clip) if clip_with is None else clip_with(model, clip))
         off.step()
         off.zero_grad()
         history.append({n: sum(g[1:], g[0].clone()) for n, g in grads.items()})

@@ -63,6 +63,7 @@ from cpu_offload._full.device_state import (
     AutoSplit, DeviceState, auto_margin, choose_device_records, device_bytes_per_element, records_to_free_host,
 )
 from cpu_offload._full.controls import WindowControls
+from cpu_offload._full import torch_clipping
 from cpu_offload._common.wrapping import adopt_optimizer, load_state_dict_with_hooks, state_dict_with_hooks
 
 __all__ = ["FullCPUOffloadOptimizer"]
@@ -304,6 +305,7 @@ class FullCPUOffloadOptimizer(WindowControls, torch.optim.Optimizer):
             # is then undone below like any failure: else the parameters stayed owned by a
             # wrapper nobody holds, and wrapping them again was refused.
             with deferred_interrupts():
+                torch_clipping.install()  # torch.nn.utils.clip_grad_norm_ over these parameters clips through this
                 ownership.claim(records, self)
                 for rec in records:
                     if id(rec.param) in originals:

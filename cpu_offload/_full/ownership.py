@@ -3,7 +3,7 @@
 # values an earlier wrapper already cast away, and models driven by DDP (whose
 # reducer would never see the gradients the hooks consume).
 #
-# Scope: a process-wide registry of owned parameters, the cast marker, the DDP
+# Scope: a process-wide registry of owned parameters (who drives this one), the cast marker, the DDP
 # check (a registry of live DDP instances), the fork check. Non-goals:
 # anything per step.
 
@@ -15,8 +15,8 @@ import weakref
 
 import torch
 
-__all__ = ["check_unowned", "claim", "release", "mark_cast", "unmark_cast", "check_not_cast", "check_not_ddp",
-           "check_same_process"]
+__all__ = ["check_unowned", "claim", "release", "owner_of", "owned_count", "mark_cast", "unmark_cast", "check_not_cast",
+           "check_not_ddp", "check_same_process"]
 
 _lock = threading.Lock()
 _owners: dict = {}  # id(param) -> (weakref to the param, weakref to the owning wrapper)
@@ -64,6 +64,20 @@ def claim(records, wrapper) -> None:
         ref = weakref.ref(wrapper)
         for rec in records:
             _owners[id(rec.param)] = (weakref.ref(rec.param), ref)
+
+
+def owner_of(param):
+    """The live wrapper that drives ``param``, or None."""
+    entry = _owners.get(id(param))
+    if entry is None or entry[0]() is not param:
+        return None
+    return entry[1]()
+
+
+def owned_count(wrapper) -> int:
+    """How many live parameters ``wrapper`` drives."""
+    with _lock:
+        return sum(1 for param_ref, owner_ref in _owners.values() if owner_ref() is wrapper and param_ref() is not None)
 
 
 def release(params) -> None:

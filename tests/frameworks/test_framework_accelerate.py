@@ -79,3 +79,17 @@ def test_accelerate_full_offload_within_bf16_noise(n_rows):
     assert len(got) == n_rows // 2  # one loss per batch; 82 rows end on a short window
     assert diff < BF16_LOSS_ATOL, line
     assert_trains(got, line)
+
+
+def test_accelerate_clip_grad_norm_clips_full_offload_like_the_option():
+    """accelerator.clip_grad_norm_(model.parameters(), 1.0) over a full-offload optimizer
+    (clipped through it by torch.nn.utils.clip_grad_norm_) equals the optimizer's own
+    max_grad_norm loss for loss. Before, it saw no gradient and clipped nothing."""
+    runs = []
+    for clip, option in ((False, 1.0), (True, None)):
+        make = FullOffloadMaker(grad_accum_steps=2, max_grad_norm=option)
+        try:
+            runs.append(train_accelerate(make, n_rows=40, grad_accum=2, clip=clip)[0])
+        finally:
+            make.close()
+    assert runs[1] == runs[0]

@@ -103,3 +103,29 @@ def test_trainer_full_offload_clips_like_torch(tmp_path):
     diff, line = loss_report("Trainer offload='full' max_grad_norm vs torch's clip_grad_norm_", got, want)
     assert diff < BF16_LOSS_ATOL, line
     assert max(abs(a - b) for a, b in zip(unclipped, want)) > 2 * BF16_LOSS_ATOL  # clipping changed the run
+
+
+def test_trainer_clipping_left_on_clips_full_offload_like_the_option(tmp_path):
+    """The Trainer's own clipping (its default max_grad_norm=1.0; here 0.5) over a full-offload
+    optimizer without max_grad_norm: torch.nn.utils.clip_grad_norm_, which the Trainer calls
+    through accelerate, clips through the optimizer, so the run equals the recipe's (the
+    Trainer's clipping off, the optimizer's on) loss for loss, and the logged norms are the
+    real ones. Before, it saw no gradient: nothing was clipped and the Trainer logged 0."""
+    clip, runs = 0.5, []
+    for trainer_clip, option in ((0.0, clip), (clip, None)):
+        make = FullOffloadMaker(grad_accum_steps=2, max_grad_norm=option)
+        try:
+            model = tiny_llama()
+            opt = make(model)
+            args = transformers.TrainingArguments(
+                output_dir=str(tmp_path), per_device_train_batch_size=2, gradient_accumulation_steps=2,
+                max_grad_norm=trainer_clip, logging_steps=1, report_to="none", use_cpu=True, save_strategy="no",
+                disable_tqdm=True, seed=7, dataloader_num_workers=0)
+            trainer = transformers.Trainer(model=model, args=args, train_dataset=rows(40), optimizers=(opt, None))
+            trainer.train()
+            runs.append(trainer.state.log_history)
+        finally:
+            make.close()
+    recipe, left_on = ([(e["loss"], e.get("grad_norm")) for e in log if "loss" in e] for log in runs)
+    assert [loss for loss, _ in left_on] == [loss for loss, _ in recipe]
+    assert all(norm > clip for _, norm in left_on), left_on

@@ -83,3 +83,17 @@ def test_lightning_full_offload_within_bf16_noise():
     assert len(got) == 40
     assert diff < BF16_LOSS_ATOL, line
     assert_trains(got, line)
+
+
+def test_lightning_gradient_clip_val_clips_full_offload_like_the_option():
+    """Lightning's gradient_clip_val over a full-offload optimizer (clipped through it by
+    torch.nn.utils.clip_grad_norm_) equals the optimizer's own max_grad_norm loss for loss.
+    Before, Lightning's clipping saw no gradient and clipped nothing, without a word."""
+    runs = []
+    for clip, option in ((False, 1.0), (True, None)):
+        make = FullOffloadMaker(grad_accum_steps=2, max_grad_norm=option)
+        try:
+            runs.append(train_lightning(make, n_rows=40, grad_accum=2, clip=clip)[0])
+        finally:
+            make.close()
+    assert runs[1] == runs[0]

@@ -136,6 +136,46 @@ def test_max_grad_norm_option_equals_the_call(k):
     assert option.stats()["grad_norm"] is not None
 
 
+@pytest.mark.parametrize("k", [1, 2])
+def test_torch_clip_grad_norm_over_the_model_clips_through_the_optimizer(k):
+    """torch.nn.utils.clip_grad_norm_(model.parameters()) (HF Trainer's, accelerate's and
+    Lightning's clipping) equals the wrapper's call bit for bit. Before, it saw no gradient
+    (they are on the host), returned 0 and clipped nothing, without a word."""
+    called = train("adamw", k, 8, clip=0.5)
+    via_torch = train("adamw", k, 8, clip=0.5, clip_with=lambda model, clip: torch.nn.utils.clip_grad_norm_(
+        model.parameters(), clip))
+    assert [float(n) for n in via_torch[4]] == [float(n) for n in called[4]]
+    assert any(float(n) > 0.5 for n in called[4])  # some steps clip
+    for a, b in zip(called[1].state.values(), via_torch[1].state.values()):
+        assert torch.equal(a["master"], b["master"]) and torch.equal(a["exp_avg"], b["exp_avg"]), a
+
+
+def test_torch_clipping_refuses_what_it_cannot_clip_through_the_optimizer():
+    """Part of the optimizer's parameters, parameters of two optimizers, parameters mixed with
+    others that hold .grad, and clipping by value raise a ValueError that says what to do;
+    parameters of no full-offload optimizer are clipped by torch as before."""
+    (model, opt), (other, other_opt) = build("adamw"), build("adamw", seed=1)
+    off, off2 = FullCPUOffloadOptimizer(opt, **SMALL), FullCPUOffloadOptimizer(other_opt, **SMALL)
+    for m in (model, other):
+        m(torch.randn(4, 24).to(torch.bfloat16)).float().pow(2).mean().backward()
+    plain = torch.nn.Parameter(torch.ones(3))
+    plain.grad = torch.full((3,), 4.0)
+    with pytest.raises(ValueError, match="1 of the 8 parameters of a full-offload optimizer"):
+        torch.nn.utils.clip_grad_norm_([model.l1.weight], 1.0)
+    with pytest.raises(ValueError, match="belong to 2 full-offload optimizers"):
+        torch.nn.utils.clip_grad_norm_([*model.parameters(), *other.parameters()], 1.0)
+    with pytest.raises(ValueError, match="mix a full-offload optimizer's"):
+        torch.nn.utils.clip_grad_norm_([*model.parameters(), plain], 1.0)
+    with pytest.raises(ValueError, match="cannot be clipped by value"):
+        torch.nn.utils.clip_grad_value_(model.parameters(), 0.1)
+    assert float(torch.nn.utils.clip_grad_norm_(plain, 1.0)) == pytest.approx(math.sqrt(48))
+    assert torch.allclose(plain.grad, torch.full((3,), 4.0 / (math.sqrt(48) + 1e-6)))
+    torch.nn.utils.clip_grad_value_(plain, 0.1)
+    assert torch.equal(plain.grad, torch.full((3,), 0.1))
+    off.step()
+    off2.step()
+
+
 def test_sign_sgd_clipping_returns_torch_norm_and_changes_no_update():
     model, off, init, history, norms = train("sign_sgd", 1, 6, clip=0.5)
     _, _, ref_norms = torch_replay("sign_sgd", init, history, 0.5)

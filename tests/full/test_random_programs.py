@@ -13,6 +13,7 @@
 # clip_grad_norm_, zero_grad) on the gradients the run computed.
 
 import contextlib
+import functools
 import math
 import random
 import warnings
@@ -301,7 +302,10 @@ class Run:
             ref.zero_grad(w.set_to_none)
         if w.late is not None:
             opt.scale_grads_(w.late)
-        got_norm = float(opt.clip_grad_norm_(w.clip, w.norm_type)) if w.clip is not None else None
+        # NOTE: in odd windows through torch's function, as the frameworks clip (torch_clipping.py)
+        clip = opt.clip_grad_norm_ if i % 2 == 0 else functools.partial(torch.nn.utils.clip_grad_norm_,
+                                                                         self.model.parameters())
+        got_norm = float(clip(w.clip, w.norm_type)) if w.clip is not None else None
         if not w.drop:
             self._call(w, "step", opt.step)
         self._call(w, "zero_grad", lambda: opt.zero_grad(set_to_none=w.set_to_none))

@@ -1,0 +1,80 @@
+# torch.nn.utils.clip_grad_norm_ and clip_grad_value_ over a full-offload model's parameters.
+# Their gradients never stay in .grad (the hooks take them to the host), so torch's functions
+# would see none: nothing clipped, a norm of 0, and no word of it. HF Trainer's default
+# max_grad_norm=1.0, accelerate's clip_grad_norm_ and Lightning's gradient_clip_val all call
+# them. ``install()``, run by the first full-offload optimizer built, puts in their place
+# functions that, for parameters one full-offload optimizer drives, clip through it (its
+# clip_grad_norm_: torch's arguments and result) when they are all of that optimizer's, and
+# raise a ValueError that says what to do otherwise (part of them, several optimizers, or
+# value clipping, which it cannot do); any other parameters go to torch's functions unchanged.
+#
+# Scope: those two functions. Non-goals: get_total_norm and clip_grads_with_norm_, which take
+# gradients, not parameters, and so cannot tell whose they are.
+
+from __future__ import annotations
+
+import functools
+
+import torch
+
+from cpu_offload._full import ownership
+
+__all__ = ["install"]
+
+_torch_clip_grad_norm_ = torch.nn.utils.clip_grad.clip_grad_norm_
+_torch_clip_grad_value_ = torch.nn.utils.clip_grad.clip_grad_value_
+
+
+def _as_list(parameters) -> list:
+    return [parameters] if isinstance(parameters, torch.Tensor) else list(parameters)
+
+
+def _owner_of_all(params: list, what: str):
+    """The full-offload optimizer that drives ``params``, or None when none of them is
+    driven by one; raises when they are not exactly one optimizer's parameters."""
+    owners: dict = {}
+    for p in params:
+        owner = ownership.owner_of(p)
+        if owner is not None:
+            owners.setdefault(id(owner), (owner, set()))[1].add(id(p))
+    if not owners:
+        return None
+    if len(owners) > 1:
+        raise ValueError(f"torch.nn.utils.{what}: the parameters belong to {len(owners)} full-offload optimizers, "
+                         "whose gradients are on the host: clip each through its own (opt.clip_grad_norm_)")
+    owner, mine = next(iter(owners.values()))
+    if any(ownership.owner_of(p) is None and p.grad is not None for p in params):
+        raise ValueError(f"torch.nn.utils.{what}: the parameters mix a full-offload optimizer's (gradients on the "
+                         "host) with others that hold .grad: clip them apart (opt.clip_grad_norm_ for the first)")
+    if len(mine) != ownership.owned_count(owner):
+        raise ValueError(
+            f"torch.nn.utils.{what}: {len(mine)} of the {ownership.owned_count(owner)} parameters of a full-offload "
+            "optimizer: their gradients are on the host and are clipped together; pass all of them "
+            "(model.parameters()) or call opt.clip_grad_norm_(max_norm)")
+    return owner
+
+
+@functools.wraps(_torch_clip_grad_norm_)
+def clip_grad_norm_(parameters, max_norm, norm_type=2.0, error_if_nonfinite=False, foreach=None):
+    params = _as_list(parameters)
+    owner = _owner_of_all(params, "clip_grad_norm_")
+    if owner is None:
+        return _torch_clip_grad_norm_(params, max_norm, norm_type, error_if_nonfinite, foreach)
+    return owner.clip_grad_norm_(max_norm, norm_type, error_if_nonfinite)
+
+
+@functools.wraps(_torch_clip_grad_value_)
+def clip_grad_value_(parameters, clip_value, foreach=None):
+    params = _as_list(parameters)
+    if any(ownership.owner_of(p) is not None for p in params):
+        raise ValueError("torch.nn.utils.clip_grad_value_: a full-offload optimizer's gradients are on the host "
+                         "and cannot be clipped by value; clip by norm (torch.nn.utils.clip_grad_norm_, or "
+                         "max_grad_norm= on offload_optimizer)")
+    return _torch_clip_grad_value_(params, clip_value, foreach)
+
+
+def install() -> None:
+    """Put the functions above in place of torch's (idempotent)."""
+    for module in (torch.nn.utils, torch.nn.utils.clip_grad):
+        module.clip_grad_norm_ = clip_grad_norm_
+        module.clip_grad_value_ = clip_grad_value_
