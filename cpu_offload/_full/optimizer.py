@@ -68,6 +68,10 @@ from cpu_offload._common.wrapping import adopt_optimizer, load_state_dict_with_h
 
 __all__ = ["FullCPUOffloadOptimizer"]
 
+# NOTE: at import, so that a script importing clip_grad_norm_ from torch after cpu_offload
+# gets the function that clips full offload's gradients through the optimizer.
+torch_clipping.install()
+
 
 def _user_stacklevel() -> int:
     """The ``stacklevel`` that points a warning at the first frame outside this
@@ -305,7 +309,6 @@ class FullCPUOffloadOptimizer(WindowControls, torch.optim.Optimizer):
             # is then undone below like any failure: else the parameters stayed owned by a
             # wrapper nobody holds, and wrapping them again was refused.
             with deferred_interrupts():
-                torch_clipping.install()  # torch.nn.utils.clip_grad_norm_ over these parameters clips through this
                 ownership.claim(records, self)
                 for rec in records:
                     if id(rec.param) in originals:

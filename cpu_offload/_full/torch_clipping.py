@@ -2,7 +2,7 @@
 # Their gradients never stay in .grad (the hooks take them to the host), so torch's functions
 # would see none: nothing clipped, a norm of 0, and no word of it. HF Trainer's default
 # max_grad_norm=1.0, accelerate's clip_grad_norm_ and Lightning's gradient_clip_val all call
-# them. ``install()``, run by the first full-offload optimizer built, puts in their place
+# them. ``install()``, run when the package is imported, puts in their place
 # functions that, for parameters one full-offload optimizer drives, clip through it (its
 # clip_grad_norm_: torch's arguments and result) when they are all of that optimizer's, and
 # raise a ValueError that says what to do otherwise (part of them, several optimizers, or
@@ -54,7 +54,7 @@ def _owner_of_all(params: list, what: str):
     return owner
 
 
-@functools.wraps(_torch_clip_grad_norm_)
+@functools.wraps(_torch_clip_grad_norm_, assigned=("__name__", "__qualname__", "__doc__"))
 def clip_grad_norm_(parameters, max_norm, norm_type=2.0, error_if_nonfinite=False, foreach=None):
     params = _as_list(parameters)
     owner = _owner_of_all(params, "clip_grad_norm_")
@@ -63,7 +63,7 @@ def clip_grad_norm_(parameters, max_norm, norm_type=2.0, error_if_nonfinite=Fals
     return owner.clip_grad_norm_(max_norm, norm_type, error_if_nonfinite)
 
 
-@functools.wraps(_torch_clip_grad_value_)
+@functools.wraps(_torch_clip_grad_value_, assigned=("__name__", "__qualname__", "__doc__"))
 def clip_grad_value_(parameters, clip_value, foreach=None):
     params = _as_list(parameters)
     if any(ownership.owner_of(p) is not None for p in params):

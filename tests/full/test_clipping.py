@@ -141,9 +141,10 @@ def test_torch_clip_grad_norm_over_the_model_clips_through_the_optimizer(k):
     """torch.nn.utils.clip_grad_norm_(model.parameters()) (HF Trainer's, accelerate's and
     Lightning's clipping) equals the wrapper's call bit for bit. Before, it saw no gradient
     (they are on the host), returned 0 and clipped nothing, without a word."""
+    from torch.nn.utils import clip_grad_norm_  # NOTE: as a script imports it, after cpu_offload
+
     called = train("adamw", k, 8, clip=0.5)
-    via_torch = train("adamw", k, 8, clip=0.5, clip_with=lambda model, clip: torch.nn.utils.clip_grad_norm_(
-        model.parameters(), clip))
+    via_torch = train("adamw", k, 8, clip=0.5, clip_with=lambda model, clip: clip_grad_norm_(model.parameters(), clip))
     assert [float(n) for n in via_torch[4]] == [float(n) for n in called[4]]
     assert any(float(n) > 0.5 for n in called[4])  # some steps clip
     for a, b in zip(called[1].state.values(), via_torch[1].state.values()):
