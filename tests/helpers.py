@@ -151,26 +151,26 @@ def _in_finalizer(frame) -> bool:
 def sigint_at_line(k: int, call, start: str | None = None) -> tuple:
     """Run ``call()`` with SIGINT raised at the ``k``-th line the package runs on this thread
     (its handler then runs as a real Ctrl-C's would: at once, or where ``deferred_interrupts``
-    delivers it); with ``start``, only lines run inside the package's function of that name
-    (its first call). Returns (whether ``call`` ran ``k`` such lines (``is_interruptible_line``), what it
-    raised or None). Needs the ``sigint_raises`` fixture."""
+    delivers it); with ``start``, counting only the lines run inside the first call of the
+    package's function of that name. Returns (whether ``call`` ran ``k`` such lines
+    (``is_interruptible_line``), what it raised or None). Needs the ``sigint_raises`` fixture."""
     package = str(Path(kernels.__file__).parent)
-    seen, started = [0], [start is None]
+    seen, counting = [0], {"now": start is None, "done": False}
 
     def local(frame, event, arg):
-        if started[0] and is_interruptible_line(frame, event):
+        if counting["now"] and is_interruptible_line(frame, event):
             seen[0] += 1
             if seen[0] == k:
                 signal.raise_signal(signal.SIGINT)
         if event == "return" and frame.f_code.co_name == start:
-            started[0] = None  # NOTE: not again (None is falsy and not False)
+            counting.update(now=False, done=True)
         return local
 
     def entered(frame, event, arg):
         if not frame.f_code.co_filename.startswith(package) or _in_finalizer(frame):
             return None
-        if started[0] is False and frame.f_code.co_name == start:
-            started[0] = True
+        if frame.f_code.co_name == start and not counting["done"]:
+            counting["now"] = True
         return local
     sys.settrace(entered)
     raised = None

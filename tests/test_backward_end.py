@@ -25,17 +25,13 @@ def test_a_ctrl_c_at_any_line_of_arming_the_watch_leaves_no_unraisable_error(sig
                                                                     lambda: fired.append("died"))))
         w = torch.ones(3, requires_grad=True)
         handle = w.register_post_accumulate_grad_hook(arm)
-        try:
-            (w * 2).sum().backward()
-        except KeyboardInterrupt:
-            pass
+        (w * 2).sum().backward()  # NOTE: the interrupt is caught inside the hook (sigint_at_line)
         handle.remove()
         hit, raised = outcome.pop()
-        raised = type(raised)  # NOTE: drops the traceback, which holds the interrupted objects
-        gc.collect()
+        gc.collect()  # NOTE: an interrupted callback is freed now, its finalizer run
         if not hit:
             break
-        assert raised is KeyboardInterrupt, (k, raised)
+        assert isinstance(raised, KeyboardInterrupt), (k, raised)
         assert fired in ([], ["end"], ["died"]), (k, fired)
         assert unraisable == [], (k, [u.exc_value for u in unraisable])
     assert k > 3
