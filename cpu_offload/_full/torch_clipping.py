@@ -45,7 +45,8 @@ def _owner_of_all(params: list, what: str):
     owner, mine = next(iter(owners.values()))
     if any(ownership.owner_of(p) is None and p.grad is not None for p in params):
         raise ValueError(f"torch.nn.utils.{what}: the parameters mix a full-offload optimizer's (gradients on the "
-                         "host) with others that hold .grad: clip them apart (opt.clip_grad_norm_ for the first)")
+                         "host) with others that hold .grad: clip them apart (opt.clip_grad_norm_ for the first; "
+                         "under a framework, its clipping off and max_grad_norm= on offload_optimizer)")
     if len(mine) != ownership.owned_count(owner):
         raise ValueError(
             f"torch.nn.utils.{what}: {len(mine)} of the {ownership.owned_count(owner)} parameters of a full-offload "
