@@ -1,7 +1,8 @@
 # Random training loops against full offload. Each seed draws one program of windows that
 # mixes what real loops do: accumulation windows of varying and short length (with and
 # without host accumulators), windows dropped by zero_grad() without step(), step() with no
-# backward, clipping by call (any norm type, also in the middle of a window) or by option,
+# backward, clipping by call (the optimizer's or torch's function; any norm type, also in
+# the middle of a window) or by option,
 # NaN losses, gradient factors announced before a pass or given after the last, zero_grad
 # with and without set_to_none, parameters that get no gradient, learning-rate, weight-decay
 # and betas changes, moments written through opt.state, weights edited outside the
