@@ -719,6 +719,20 @@ class FullOffloadMaker:
             opt.close()
 
 
+def framework_clipping_and_option(train) -> list:
+    """``train(make, clip)`` (losses of a framework run, its own clipping at 1.0 when
+    ``clip``) twice over a full-offload AdamW of 2-pass windows: with the optimizer's
+    ``max_grad_norm=1.0`` and the framework's clipping off, then the other way round."""
+    runs = []
+    for clip, option in ((False, 1.0), (True, None)):
+        make = FullOffloadMaker(grad_accum_steps=2, max_grad_norm=option)
+        try:
+            runs.append(train(make, clip))
+        finally:
+            make.close()
+    return runs
+
+
 # ------------------------------------------------ the GPU tests' model (tests/gpu)
 
 LM_VOCAB, LM_TOKENS = 4096, 128

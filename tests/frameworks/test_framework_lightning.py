@@ -14,7 +14,8 @@ pytest.importorskip("transformers")
 
 import cpu_offload  # noqa: E402
 from helpers import (  # noqa: E402
-    FullOffloadMaker, BF16_LOSS_ATOL, Bf16MasterAdamW, adamw, assert_trains, loss_report, tiny_llama, token_rows,
+    FullOffloadMaker, BF16_LOSS_ATOL, Bf16MasterAdamW, adamw, assert_trains, framework_clipping_and_option,
+    loss_report, tiny_llama, token_rows,
 )
 
 # NOTE: a deprecation inside the framework itself, not in these tests or this package.
@@ -89,11 +90,5 @@ def test_lightning_gradient_clip_val_clips_full_offload_like_the_option():
     """Lightning's gradient_clip_val over a full-offload optimizer (clipped through it by
     torch.nn.utils.clip_grad_norm_) equals the optimizer's own max_grad_norm loss for loss.
     Before, Lightning's clipping saw no gradient and clipped nothing, without a word."""
-    runs = []
-    for clip, option in ((False, 1.0), (True, None)):
-        make = FullOffloadMaker(grad_accum_steps=2, max_grad_norm=option)
-        try:
-            runs.append(train_lightning(make, n_rows=40, grad_accum=2, clip=clip)[0])
-        finally:
-            make.close()
-    assert runs[1] == runs[0]
+    option, framework = framework_clipping_and_option(lambda make, clip: train_lightning(make, n_rows=40, grad_accum=2, clip=clip)[0])
+    assert framework == option

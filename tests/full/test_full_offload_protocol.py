@@ -186,6 +186,17 @@ def _is_counted_lock_call(frame, event) -> bool:
 _TRACED = (pipeline_module.__file__, optimizer_module.__file__)
 
 
+def interrupted_at(h, k: int, call, start=None) -> bool:
+    """SIGINT at the ``k``-th line of ``call()`` (``sigint_at_line``), which must then raise
+    KeyboardInterrupt; False, the Harness closed, when ``call`` ran fewer lines."""
+    hit, raised = sigint_at_line(k, call, start)
+    if not hit:
+        h.opt.close()
+        return False
+    assert isinstance(raised, KeyboardInterrupt), (k, raised)
+    return True
+
+
 def interrupted_backward(k: int, counted):
     """A trained Harness whose next (final) backward gets KeyboardInterrupt at the ``k``-th
     point ``counted(frame, event)`` accepts on this thread (lines of the hooks, their staging
@@ -270,12 +281,9 @@ def test_after_a_ctrl_c_at_any_line_of_a_backward_the_next_window_trains_exactly
         h.train_normally(1)
         h.window = {}
         before = h.steps()
-        hit, raised = sigint_at_line(k, h.backward)
-        if not hit:
-            h.opt.close()
+        if not interrupted_at(h, k, h.backward):
             break
-        assert isinstance(raised, KeyboardInterrupt), (k, raised)
-        interrupted, h.window = h.window, {}
+        dead_window, h.window = h.window, {}
         began = phase_of(h.opt) is not Phase.IDLE
         if phase_of(h.opt) is Phase.APPLIED:  # the window completed: the next backward would ask for step()
             h.opt.step()
@@ -294,12 +302,12 @@ def test_after_a_ctrl_c_at_any_line_of_a_backward_the_next_window_trains_exactly
         counts = [int(m.group(1)) for m in map(re.compile(r"(\d+) of 6 parameters had their update").search,
                                                 [str(w.message) for w in caught]) if m]
         assert counts in ([len(stepped)], []), (k, counts)
-        assert counts or stepped in (set(), set(interrupted)), k
-        window, h.window = h.window, interrupted
-        if stepped == set(interrupted) and not counts:
+        assert counts or stepped in (set(), set(dead_window)), k
+        window, h.window = h.window, dead_window
+        if stepped == set(dead_window) and not counts:
             h.ref_window_step()  # the whole window, clipped when the optimizer clips
         else:
-            h.ref_step({n: g for n, g in interrupted.items() if n in stepped})
+            h.ref_step({n: g for n, g in dead_window.items() if n in stepped})
         h.window = window
         h.opt.step()
         h.opt.zero_grad()
@@ -322,11 +330,8 @@ def test_a_ctrl_c_at_any_line_of_a_clipped_step_leaves_the_clipped_step(sigint_r
         h.train_normally(warm)
         h.window = {}
         h.backward()
-        hit, raised = sigint_at_line(k, h.opt.step)
-        if not hit:
-            h.opt.close()
+        if not interrupted_at(h, k, h.opt.step):
             break
-        assert isinstance(raised, KeyboardInterrupt), (k, raised)
         with applied_update_kept():
             h.opt.zero_grad()  # NOTE: completes a window that step() had not closed (device records step there)
         h.ref_window_step()
@@ -358,12 +363,8 @@ def call_after_a_clipped_window(name, k=None, **opts):
     h.window = {}
     h.backward()
     with applied_update_kept():
-        if k is not None:
-            hit, raised = sigint_at_line(k, lambda: PENDING_CALLS[name](h))
-            if not hit:
-                h.opt.close()
-                return None
-            assert isinstance(raised, KeyboardInterrupt), (k, raised)
+        if k is not None and not interrupted_at(h, k, lambda: PENDING_CALLS[name](h)):
+            return None
         PENDING_CALLS[name](h)
     h.opt.step()
     h.opt.zero_grad()
@@ -408,12 +409,8 @@ def short_window_step(k=None, **opts):
     h.window = {}
     for _ in range(2):
         h.backward()
-    if k is not None:
-        hit, raised = sigint_at_line(k, h.opt.step)
-        if not hit:
-            h.opt.close()
-            return None
-        assert isinstance(raised, KeyboardInterrupt), (k, raised)
+    if k is not None and not interrupted_at(h, k, h.opt.step):
+        return None
     h.opt.step()
     h.opt.zero_grad()
     h.train_normally(1, k=3)
@@ -438,12 +435,8 @@ def end_of_last_backward(k=None, warm=1, **opts):
     h.train_normally(warm)
     if k is None:
         h.backward()
-    else:
-        hit, raised = sigint_at_line(k, h.backward, start="_end_backward")
-        if not hit:
-            h.opt.close()
-            return None
-        assert isinstance(raised, KeyboardInterrupt), (k, raised)
+    elif not interrupted_at(h, k, h.backward, start="_end_backward"):
+        return None
     h.opt.step()
     h.opt.zero_grad()
     h.train_normally(1)
