@@ -464,16 +464,13 @@ class FullCPUOffloadOptimizer(WindowControls, torch.optim.Optimizer):
         """A module forward while a backward that died is not yet recovered: recover first.
         Later (at the next backward's first gradient) the recovery would write weights the
         forward already read: autograd then raises that they changed in place."""
-        if self._proto.died == self._proto.gen and self._proto.phase is Phase.BACKWARD:
+        if self._proto.died_unrecovered():
             self._settle()
 
     def _settle(self, *, in_backward: bool = False) -> None:
         """Recover from a backward that raised; raise a pending worker failure once."""
         proto = self._proto
-        # NOTE: a backward that died before its window began (still IDLE) left nothing to
-        # recover, nor one whose end was recorded before it raised (a Ctrl-C held back there).
-        died = proto.died == proto.gen and proto.phase is Phase.BACKWARD
-        if died or (proto.phase is Phase.BACKWARD and not in_backward and outside_backward()):
+        if proto.died_unrecovered() or (proto.phase is Phase.BACKWARD and not in_backward and outside_backward()):
             self._proto.move(Phase.ABORTED)
             self._recover()
         err = self._pipeline.take_error()

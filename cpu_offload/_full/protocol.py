@@ -90,6 +90,12 @@ class ProtocolState:
     landing: bool = False
     landing_stats: dict = field(default_factory=dict)  # that step's figures, completed when it lands
 
+    def died_unrecovered(self) -> bool:
+        """The watched backward raised in its window and nothing has recovered it yet. NOTE:
+        one that died before its window began (IDLE) left nothing to recover, nor one whose
+        end was recorded before it raised (a Ctrl-C held back there)."""
+        return self.died == self.gen and self.phase is Phase.BACKWARD
+
     def move(self, to: Phase) -> None:
         """Change phase along TRANSITIONS; anything else raises ProtocolError."""
         if (self.phase, to) not in TRANSITIONS:

@@ -33,23 +33,27 @@ def _owner_of_all(params: list, what: str):
     """The full-offload optimizer that drives ``params``, or None when none of them is
     driven by one; raises when they are not exactly one optimizer's parameters."""
     owners: dict = {}
+    others_hold_grad = False
     for p in params:
         owner = ownership.owner_of(p)
         if owner is not None:
             owners.setdefault(id(owner), (owner, set()))[1].add(id(p))
+        else:
+            others_hold_grad = others_hold_grad or p.grad is not None
     if not owners:
         return None
     if len(owners) > 1:
         raise ValueError(f"torch.nn.utils.{what}: the parameters belong to {len(owners)} full-offload optimizers, "
                          "whose gradients are on the host: clip each through its own (opt.clip_grad_norm_)")
     owner, mine = next(iter(owners.values()))
-    if any(ownership.owner_of(p) is None and p.grad is not None for p in params):
+    if others_hold_grad:
         raise ValueError(f"torch.nn.utils.{what}: the parameters mix a full-offload optimizer's (gradients on the "
                          "host) with others that hold .grad: clip them apart (opt.clip_grad_norm_ for the first; "
                          "under a framework, its clipping off and max_grad_norm= on offload_optimizer)")
-    if len(mine) != ownership.owned_count(owner):
+    owned = ownership.owned_count(owner)
+    if len(mine) != owned:
         raise ValueError(
-            f"torch.nn.utils.{what}: {len(mine)} of the {ownership.owned_count(owner)} parameters of a full-offload "
+            f"torch.nn.utils.{what}: {len(mine)} of the {owned} parameters of a full-offload "
             "optimizer: their gradients are on the host and are clipped together; pass all of them "
             "(model.parameters()) or call opt.clip_grad_norm_(max_norm)")
     return owner
