@@ -14,8 +14,8 @@
 # A backward that died leaves its owner something to recover, best before the
 # next forward reads the weights the recovery writes (else autograd finds them
 # changed in place, or the forward read stale ones): ``NextForwardHook``, armed
-# while a backward runs, calls the owner before any module forward outside a
-# backward.
+# by the owner when its backward dies, calls it before any module forward outside
+# a backward.
 #
 # Scope: the signal and that hook. Non-goals: what the owner does with them
 # (optimizer.py).

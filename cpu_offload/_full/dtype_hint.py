@@ -2,11 +2,14 @@
 # cast a model's parameters to bf16 in place.
 #
 # A plain fp32 model fed fp32 inputs fails its first forward after offload="full" with
-# torch's own "mat1 and mat2 must have the same dtype". Until one outermost forward pass
-# completes, two process-wide module hooks watch forward passes; a dtype-mismatch error
-# that mentions bfloat16 gets a note saying what happened and what to do (autocast, or
-# bf16 inputs). After that forward, or when the optimizer is collected, the hooks are
-# removed, so training steps pay nothing.
+# torch's own "mat1 and mat2 must have the same dtype". Until the optimizer's first backward
+# ends (it calls ``remove()``), two process-wide module hooks watch forward passes; a
+# dtype-mismatch error that mentions bfloat16 gets a note saying what happened and what to
+# do (autocast, or bf16 inputs). Then training steps pay nothing.
+# NOTE: torch.compile compiles a module for the process-wide hooks present; a forward run
+# while they are and its checkpointed recompute run once they are gone would differ. So
+# they stay until a backward ends, and go at once, with no hint given, before an outermost
+# forward that holds a compiled module: the model compiles once, without them.
 #
 # Non-goals: checking inputs before the forward (a model may cast its inputs itself, so a
 # check could refuse a correct model), replacing torch's exception (a hook cannot: torch
@@ -16,7 +19,6 @@ from __future__ import annotations
 
 import sys
 import threading
-import weakref
 
 import torch
 from torch.nn.modules.module import register_module_forward_hook, register_module_forward_pre_hook
@@ -57,6 +59,9 @@ class _FirstForward:
         if torch.compiler.is_compiling():
             return
         stack = self.local.__dict__.setdefault("stack", [])
+        if not stack and any(_is_compiled(m) for m in module.modules()):
+            self.remove()
+            return
         # NOTE: the exception being handled when the forward starts (one when a forward runs
         # in an except block) is not the forward's own failure.
         stack.append((module, sys.exc_info()[1]))
@@ -71,8 +76,6 @@ class _FirstForward:
         exc = sys.exc_info()[1]
         if exc is not None and exc is not before:
             _explain(exc, self.dtype)
-        elif not stack:
-            self.remove()  # an outermost forward pass completed
 
     def remove(self) -> None:
         for handle in self.handles:
@@ -80,7 +83,14 @@ class _FirstForward:
         self.handles = []
 
 
-def watch_first_forward(optimizer: torch.optim.Optimizer, dtype: torch.dtype) -> None:
-    """Explain a dtype error of the first forward pass after the cast to ``dtype``."""
-    watcher = _FirstForward(dtype)
-    weakref.finalize(optimizer, watcher.remove)
+def _is_compiled(module: torch.nn.Module) -> bool:
+    """``torch.compile(module)``'s wrapper, or a module after ``module.compile()``."""
+    eval_frame = sys.modules.get("torch._dynamo.eval_frame")  # NOTE: not imported: nothing compiled
+    return ((eval_frame is not None and isinstance(module, eval_frame.OptimizedModule))
+            or getattr(module, "_compiled_call_impl", None) is not None)
+
+
+def watch_first_forward(dtype: torch.dtype) -> _FirstForward:
+    """Explain a dtype error of the forward passes after the cast to ``dtype``, until
+    ``remove()`` on the result."""
+    return _FirstForward(dtype)

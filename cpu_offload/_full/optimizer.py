@@ -341,8 +341,10 @@ class FullCPUOffloadOptimizer(WindowControls, torch.optim.Optimizer):
                     lambda: None if (w := ref()) is None else w._recover_before_forward())
                 handles.append(self._next_forward)
                 self._finalizer = weakref.finalize(self, _shutdown, records, self._pipeline, transfer, handles, trace)
+                self._dtype_hint = None
                 if any(dtype.itemsize > compute_dtype.itemsize for dtype in originals.values()):
-                    watch_first_forward(self, compute_dtype)  # explains the dtype error of fp32 inputs
+                    self._dtype_hint = watch_first_forward(compute_dtype)  # explains the dtype error of fp32 inputs
+                    handles.append(self._dtype_hint)
                 self._proto.move(Phase.IDLE)
         except BaseException:
             self._abort_construction(records, originals, handles)
@@ -424,7 +426,6 @@ class FullCPUOffloadOptimizer(WindowControls, torch.optim.Optimizer):
         watch_backward(lambda: None if (w := ref()) is None else w._backward_ended(gen),
                        lambda: None if (w := ref()) is None else w._backward_died(gen))
         self._proto.move(Phase.BACKWARD)
-        self._next_forward.arm()  # NOTE: disarmed when this backward ends; if it dies, see _recover_before_forward
         if new_window:
             self._check_frozen()
             adopt_external_weights(self._records)
@@ -447,7 +448,8 @@ class FullCPUOffloadOptimizer(WindowControls, torch.optim.Optimizer):
     def _end_backward(self, gen: int) -> None:
         if gen != self._proto.gen or self._proto.phase is not Phase.BACKWARD:
             return
-        self._next_forward.remove()
+        self._next_forward.remove()  # NOTE: one armed by a stale death report (another thread's, racing a recovery)
+        self._end_dtype_hint()
         self._pipeline.trace.mark("backward_end", self._proto.micro)
         self._pipeline.end_backward()
         if not self._proto.final:
@@ -456,9 +458,22 @@ class FullCPUOffloadOptimizer(WindowControls, torch.optim.Optimizer):
             return
         self._complete_window()
 
+    def _end_dtype_hint(self) -> None:
+        # NOTE: at the end of a backward, not of the first forward: a process-wide hook that
+        # goes between a forward and the recompute of its checkpointed compiled blocks makes
+        # torch.compile recompute with another graph (CheckpointError).
+        if self._dtype_hint is not None:
+            self._dtype_hint.remove()
+            self._dtype_hint = None
+
     def _backward_died(self, gen: int) -> None:
+        # NOTE: may run on another thread: only record it, and arm the hook that recovers
+        # before the next forward. Armed here, not for every backward: a process-wide module
+        # hook present while a backward recomputes checkpointed compiled blocks makes
+        # torch.compile pick another graph there (CheckpointError) and compile twice.
         if gen == self._proto.gen:
-            self._proto.died = gen  # NOTE: may run on another thread: only record it
+            self._next_forward.arm()
+            self._proto.died = gen
 
     def _recover_before_forward(self) -> None:
         """A module forward while a backward that died is not yet recovered: recover first.
@@ -485,6 +500,7 @@ class FullCPUOffloadOptimizer(WindowControls, torch.optim.Optimizer):
         micro, final = self._proto.micro, self._proto.final
         self._proto.gen += 1  # signals of the dead backward are stale from here on
         self._next_forward.remove()
+        self._end_dtype_hint()
         try:
             stepped, torn = salvage_window(self._records, self._pipeline, self._transfer)
         finally:

@@ -1,5 +1,6 @@
 # The note full offload adds to the dtype error of a forward pass fed fp32 inputs after the
-# in-place cast to bf16, and that its hooks are gone once a forward pass completed.
+# in-place cast to bf16, and that its hooks are gone once a backward ended, or before the
+# first forward of a compiled model.
 import pytest
 import torch
 import torch.nn as nn
@@ -28,7 +29,7 @@ def test_fp32_inputs_get_a_note_saying_what_to_do():
     assert len(notes) == 1  # once, although every enclosing module saw the exception
     assert "offload='full' cast the model's trainable parameters to torch.bfloat16" in notes[0]
     assert "torch.autocast(device_type, dtype=torch.bfloat16)" in notes[0]
-    # The hint stays until a forward pass completes, then costs nothing.
+    # The hint stays until a backward ends, then costs nothing.
     with pytest.raises(RuntimeError, match="same dtype"):
         model(torch.randn(2, 8))
     with torch.autocast("cpu", dtype=torch.bfloat16):
@@ -49,8 +50,31 @@ def test_other_errors_are_left_alone():
     assert "cpu_offload" not in "".join(getattr(info.value, "__notes__", [])) + str(info.value)
     try:
         raise KeyError("outer")
-    except KeyError:  # a forward inside an except block completes: the hooks go
-        model(torch.randn(2, 8, dtype=torch.bfloat16))
+    except KeyError:  # a forward inside an except block: the exception handled is not its own
+        out = model(torch.randn(2, 8, dtype=torch.bfloat16))
+    assert _global_hooks() == before + 2  # a forward alone leaves them: its backward may recompute
+    out.float().sum().backward()
+    assert _global_hooks() == before
+    opt.close()
+
+
+@pytest.mark.parametrize("how", ["torch.compile(model)", "model.compile()"])
+def test_a_compiled_model_compiles_without_the_hooks(how):
+    """torch.compile compiles for the process-wide hooks present, so hooks that went between a
+    forward and its checkpointed recompute made it recompute with another graph. A model that
+    holds a compiled module removes them before its first forward runs (and gets no note).
+    One compiled whole in place is compiled with them, recompute included: they go with the
+    backward, and its next forward compiles once more."""
+    before = _global_hooks()
+    model, opt = _wrapped()
+    if how == "model.compile()":
+        model.compile(backend="eager")
+    else:
+        model = torch.compile(model, backend="eager")
+    assert _global_hooks() == before + 2
+    out = model(torch.randn(2, 8, dtype=torch.bfloat16))
+    assert _global_hooks() == before + (2 if how == "model.compile()" else 0)
+    out.float().sum().backward()
     assert _global_hooks() == before
     opt.close()
 
