@@ -38,6 +38,14 @@ class CheckpointedNet(nn.Module):
 CUDA = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
 
 
+@pytest.fixture(autouse=True)
+def fresh_compile_caches():
+    torch._dynamo.reset()
+    counters.clear()
+    yield
+    torch._dynamo.reset()  # NOTE: frees the graphs' fake tensors, which later tests would find
+
+
 def train(model, steps, *, die_at=None, graphs=None):
     """AdamW with full offload; the backward of step ``die_at`` raises in a gradient hook
     and the loop goes on with the next batch, as a training loop that skips a bad batch."""
@@ -80,8 +88,6 @@ def test_compiled_checkpointed_blocks_train_as_uncompiled_and_compile_only_at_th
     the blocks' recompute inside backward then picked a graph compiled for it, and the first
     backward raised CheckpointError ("Recomputed values ... have different metadata"). The
     dtype hint's hooks, removed at the end of the first forward, did the same."""
-    torch._dynamo.reset()
-    counters.clear()
     torch.manual_seed(0)
     eager = CheckpointedNet().to(device)
     compiled = copy.deepcopy(eager)
