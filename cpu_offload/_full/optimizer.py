@@ -459,9 +459,7 @@ class FullCPUOffloadOptimizer(WindowControls, torch.optim.Optimizer):
         self._complete_window()
 
     def _end_dtype_hint(self) -> None:
-        # NOTE: at the end of a backward, not of the first forward: a process-wide hook that
-        # goes between a forward and the recompute of its checkpointed compiled blocks makes
-        # torch.compile recompute with another graph (CheckpointError).
+        # NOTE: at the end of a backward, not of the first forward: dtype_hint.py says why
         if self._dtype_hint is not None:
             self._dtype_hint.remove()
             self._dtype_hint = None
