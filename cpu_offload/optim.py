@@ -6,6 +6,8 @@ CPU tensors, so full offload can take a SignSGD optimizer and run it on the CPU.
 """
 from __future__ import annotations
 
+import numbers
+
 import torch
 from torch.optim import Optimizer
 
@@ -24,10 +26,11 @@ class SignSGD(Optimizer):
     def __init__(self, params, lr: float = 1e-3, *, weight_decay: float = 0.0):
         if isinstance(lr, torch.Tensor):
             raise TypeError("lr must be a float, not a tensor")
-        if not 0.0 <= lr:
-            raise ValueError(f"lr must be >= 0, got {lr}")
-        if not 0.0 <= weight_decay:
-            raise ValueError(f"weight_decay must be >= 0, got {weight_decay}")
+        for name, value in (("lr", lr), ("weight_decay", weight_decay)):
+            if isinstance(value, bool) or not isinstance(value, numbers.Real):
+                raise TypeError(f"{name} must be a float, got {value!r}")
+            if not 0.0 <= value:
+                raise ValueError(f"{name} must be >= 0, got {value}")
         super().__init__(params, dict(lr=lr, weight_decay=weight_decay))
 
     @torch.no_grad()

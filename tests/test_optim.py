@@ -31,6 +31,11 @@ def test_sign_sgd_skips_params_without_grad_and_validates():
         SignSGD([p], lr=-1.0)
     with pytest.raises(ValueError, match="weight_decay"):
         SignSGD([p], lr=1.0, weight_decay=-1.0)
+    for bad in ("0.1", None, True):
+        with pytest.raises(TypeError, match="lr"):
+            SignSGD([p], lr=bad)
+        with pytest.raises(TypeError, match="weight_decay"):
+            SignSGD([p], weight_decay=bad)
 
 
 def test_sign_sgd_works_with_bf16_params_and_lr_scheduler():

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import torch
 
+from cpu_offload._full.options import read_hparams
 from cpu_offload._full.state_mapping import HOST_STATE_KEPT, host_value, saved_entry, step_value
 
 __all__ = ["state_dict", "load_state_dict", "SPECULATION_KEY"]
@@ -64,6 +65,18 @@ def _validate_groups(opt, saved_groups) -> None:
             raise ValueError(
                 f"state_dict param_groups[{g}] has {len(saved['params'])} parameters, the optimizer has {len(group['params'])}"
             )
+    # The options the groups would hold once loaded, checked as every step checks them (a torch
+    # AdamW checkpoint may carry amsgrad=True, which full offload cannot honour).
+    loaded = [{**group, **_group_options(saved)} for saved, group in zip(saved_groups, opt.param_groups)]
+    try:
+        read_hparams(loaded, opt._algorithm, bf16_moments=opt._bf16_moments)
+    except (TypeError, ValueError) as e:
+        raise type(e)(f"state_dict: {e}") from None
+
+
+def _group_options(saved: dict) -> dict:
+    """The options of a saved group that load_state_dict writes into the live one."""
+    return {k: v for k, v in saved.items() if k not in ("params", "param_names", SPECULATION_KEY, HOST_STATE_KEPT)}
 
 
 def _validate(opt, sd: dict) -> list:
@@ -116,9 +129,7 @@ def _speculation_factor(saved_groups) -> float:
 
 def _load_groups(opt, saved_groups) -> None:
     for saved, group in zip(saved_groups, opt.param_groups):
-        for k, v in saved.items():
-            if k not in ("params", "param_names", SPECULATION_KEY, HOST_STATE_KEPT):
-                group[k] = v  # in place: LR schedulers hold these dicts
+        group.update(_group_options(saved))  # in place: LR schedulers hold these dicts
 
 
 def load_state_dict(opt, sd: dict) -> None:

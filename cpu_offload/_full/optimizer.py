@@ -47,7 +47,8 @@ from cpu_offload._common.dtensor import local_of
 from cpu_offload._full.dtype_hint import watch_first_forward
 from cpu_offload._common.interrupts import deferred_interrupts
 from cpu_offload._full.options import (
-    check_clipping_options, check_gpu_state, check_optimizer, check_options, read_hparams, ring_rooms, staging_rings,
+    check_clipping_options, check_gpu_state, check_keep_fp32, check_optimizer, check_options, read_hparams, ring_rooms,
+    staging_rings,
 )
 from cpu_offload._full.binding import bind_for
 from cpu_offload._full.pipeline import Pipeline
@@ -191,11 +192,13 @@ class FullCPUOffloadOptimizer(WindowControls, torch.optim.Optimizer):
         self._algorithm = check_optimizer(optimizer)
         self._bf16_moments = state_dtype == torch.bfloat16
         check_options(algorithm=self._algorithm, grad_accum_steps=grad_accum_steps, compute_dtype=compute_dtype,
-                      state_dtype=state_dtype, num_slots=num_slots, pinned_bytes=pinned_bytes, timeout_s=timeout_s)
+                      state_dtype=state_dtype, num_slots=num_slots, pinned_bytes=pinned_bytes, timeout_s=timeout_s,
+                      sysfs_root=sysfs_root)
         max_grad_norm = check_clipping_options(max_grad_norm=max_grad_norm, skip_nonfinite=skip_nonfinite,
                                                grad_copy=grad_copy)
         read_hparams(optimizer.param_groups, self._algorithm, bf16_moments=self._bf16_moments)
         check_gpu_state(gpu_state)
+        keep = check_keep_fp32(keep_fp32, optimizer)
         trace = trace_from_env()
         tracking = skip_nonfinite or max_grad_norm is not None
         records, frozen = collect_records(optimizer)
@@ -204,7 +207,6 @@ class FullCPUOffloadOptimizer(WindowControls, torch.optim.Optimizer):
         ownership.check_not_cast(records)
         ownership.check_not_ddp(records)
         check_fsdp_not_started(records)
-        keep = {id(p) for p in keep_fp32}
         device = records[0].local().device
         moments = self._algorithm == "adamw"
         accumulate = grad_accum_steps > 1
@@ -317,6 +319,7 @@ class FullCPUOffloadOptimizer(WindowControls, torch.optim.Optimizer):
                 self._proto.window = grad_accum_steps
                 self.timeout_s = float(timeout_s)
                 self._records, self._frozen = records, frozen
+                self._group_params = [tuple(group["params"]) for group in optimizer.param_groups]
                 self._accumulate = accumulate
                 self._transfer = transfer
                 self.grad_copy = grad_copy
@@ -427,7 +430,7 @@ class FullCPUOffloadOptimizer(WindowControls, torch.optim.Optimizer):
                        lambda: None if (w := ref()) is None else w._backward_died(gen))
         self._proto.move(Phase.BACKWARD)
         if new_window:
-            self._check_frozen()
+            self._check_parameters()
             adopt_external_weights(self._records)
         # NOTE: hyper-parameters are read when the last backward of a window
         # starts (the chunks are stepped during it), so an LR scheduler stepped
@@ -610,7 +613,7 @@ class FullCPUOffloadOptimizer(WindowControls, torch.optim.Optimizer):
             self._enter()
         if self._proto.phase is Phase.BACKWARD:
             raise RuntimeError("step() called during a backward pass")
-        self._check_frozen()
+        self._check_parameters()
         self._check_no_bypassed_grads()
         t0, blocked_before = time.perf_counter(), self._proto.blocked_s
         if self._proto.phase is Phase.IDLE and not (self._proto.zeroed and any(r.holds_grad for r in self._records)):
@@ -834,12 +837,22 @@ class FullCPUOffloadOptimizer(WindowControls, torch.optim.Optimizer):
         return dict(self._proto.last_stats, skipped_steps=self._validator.skipped_steps)
 
     # ------------------------------------------------------------- helpers
-    def _check_frozen(self) -> None:
+    def _check_parameters(self) -> None:
+        """The parameters are those the host state was built for: a parameter put into a
+        group later would never be stepped, and a frozen one unfrozen never either."""
         for p in self._frozen:
             if p.requires_grad:
                 raise RuntimeError(
                     "a parameter that was frozen (requires_grad=False) when the optimizer was wrapped now requires "
                     "grad; full offload built its host state at construction: set requires_grad before wrapping")
+        groups = [tuple(group["params"]) for group in self.param_groups]
+        if len(groups) != len(self._group_params) or any(
+                len(now) != len(then) or any(a is not b for a, b in zip(now, then))
+                for now, then in zip(groups, self._group_params)):
+            raise RuntimeError(
+                "the optimizer's param_groups no longer hold the parameters they held when offload_optimizer wrapped "
+                "it (a group or parameter added, removed or replaced); full offload built its host state at "
+                "construction: give the optimizer every parameter before wrapping it")
 
     def _check_no_bypassed_grads(self) -> None:
         """A gradient left in ``param.grad`` never reached the hooks: it would be lost silently."""

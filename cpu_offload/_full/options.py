@@ -7,6 +7,10 @@
 from __future__ import annotations
 
 import math
+import numbers
+import os
+import threading
+from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Optional
 
@@ -16,7 +20,7 @@ from cpu_offload._common.checks import check_int
 from cpu_offload.optim import SignSGD
 from cpu_offload._full.packing import align_up
 
-__all__ = ["check_optimizer", "check_options", "check_gpu_state", "staging_rings", "ring_rooms", "Rings",
+__all__ = ["check_optimizer", "check_options", "check_keep_fp32", "check_gpu_state", "staging_rings", "ring_rooms", "Rings",
            "read_hparams"]
 
 _UNSUPPORTED_ADAMW = ("amsgrad", "maximize", "capturable", "differentiable")
@@ -25,11 +29,7 @@ _UNSUPPORTED_ADAMW = ("amsgrad", "maximize", "capturable", "differentiable")
 def check_optimizer(optimizer) -> str:
     """The algorithm full offload runs for ``optimizer``: "adamw" or "sign_sgd"."""
     if type(optimizer) is torch.optim.AdamW:
-        for g, group in enumerate(optimizer.param_groups):
-            for key in _UNSUPPORTED_ADAMW:
-                if group.get(key):
-                    raise ValueError(f"full offload cannot honour AdamW option {key}=True (param_groups[{g}])")
-        return "adamw"
+        return "adamw"  # its options: read_hparams
     if type(optimizer) is SignSGD:
         return "sign_sgd"
     cls = type(optimizer)
@@ -44,7 +44,7 @@ def check_optimizer(optimizer) -> str:
 
 
 def check_options(*, algorithm: str, grad_accum_steps, compute_dtype, state_dtype, num_slots, pinned_bytes,
-                  timeout_s) -> None:
+                  timeout_s, sysfs_root) -> None:
     check_int("grad_accum_steps", grad_accum_steps, low=1)
     if compute_dtype not in (torch.bfloat16, torch.float32):
         raise ValueError(f"compute_dtype must be torch.bfloat16 or torch.float32, got {compute_dtype}")
@@ -57,8 +57,29 @@ def check_options(*, algorithm: str, grad_accum_steps, compute_dtype, state_dtyp
         check_int("num_slots", num_slots, low=1)
     if pinned_bytes is not None:
         check_int("pinned_bytes", pinned_bytes, low=2 * (num_slots or 4) * 4096, detail=f" (num_slots={num_slots or 4})")
-    if isinstance(timeout_s, bool) or not isinstance(timeout_s, (int, float)) or not timeout_s > 0:
-        raise ValueError(f"timeout_s must be a number > 0, got {timeout_s!r}")
+    if isinstance(timeout_s, bool) or not isinstance(timeout_s, (int, float)) or not 0 < timeout_s <= threading.TIMEOUT_MAX:
+        raise ValueError(f"timeout_s must be a number > 0 and at most threading.TIMEOUT_MAX "
+                         f"({threading.TIMEOUT_MAX:g}), got {timeout_s!r}")
+    if not isinstance(sysfs_root, (str, os.PathLike)):
+        raise TypeError(f"sysfs_root must be a path (str or os.PathLike), got {sysfs_root!r}")
+
+
+def check_keep_fp32(keep_fp32, optimizer) -> set:
+    """The ids of the parameters ``keep_fp32`` names; each must be one of ``optimizer``'s."""
+    if isinstance(keep_fp32, (torch.Tensor, str, bytes)) or not isinstance(keep_fp32, Iterable):
+        hint = ": wrap a single parameter in a list" if isinstance(keep_fp32, torch.Tensor) else ""
+        raise TypeError(f"keep_fp32 must be an iterable of the optimizer's parameters, got "
+                        f"{type(keep_fp32).__name__}{hint}")
+    members = {id(p) for group in optimizer.param_groups for p in group["params"]}
+    keep = set()
+    for i, p in enumerate(keep_fp32):
+        if not isinstance(p, torch.Tensor):
+            raise TypeError(f"keep_fp32[{i}] must be a parameter of the optimizer, got {type(p).__name__}")
+        if id(p) not in members:
+            raise ValueError(f"keep_fp32[{i}] (shape {tuple(p.shape)}) is not a parameter of the optimizer: pass "
+                             f"the model's own parameter objects, not copies")
+        keep.add(id(p))
+    return keep
 
 
 GRAD_COPY_PLACES = ("device", "host")
@@ -172,15 +193,31 @@ def read_hparams(param_groups, algorithm: str, *, bf16_moments: bool = False) ->
     keys = ("lr", "weight_decay") + (("betas", "eps") if algorithm == "adamw" else ())
     snap = []
     for g, group in enumerate(param_groups):
+        # NOTE: checked at every window, not only at construction: load_state_dict (a torch
+        # AdamW checkpoint's groups) or a user may set them later, and a flag left unhonoured
+        # would train silently on other math.
+        for key in _UNSUPPORTED_ADAMW if algorithm == "adamw" else ():
+            if group.get(key):
+                raise ValueError(f"full offload cannot honour AdamW option {key}=True (param_groups[{g}])")
         values = {}
         for key in keys:
             items = group[key] if key == "betas" else (group[key],)
             for i, v in enumerate(items):
                 name = f"param_groups[{g}]['{key}']" + (f"[{i}]" if key == "betas" else "")
-                v = float(v.item() if isinstance(v, torch.Tensor) else v)
+                if isinstance(v, torch.Tensor) and v.numel() == 1:
+                    v = v.item()
+                if isinstance(v, bool) or not isinstance(v, numbers.Real):
+                    raise TypeError(f"{name} must be a number, got {v!r}")
+                v = float(v)
                 if not math.isfinite(v) or v < 0 or (key == "betas" and v >= 1):
                     raise ValueError(f"{name} is {v}: it must be finite and >= 0" + (" and < 1" if key == "betas" else ""))
                 values[key if key != "betas" else f"beta{i + 1}"] = v
+        if algorithm == "adamw" and group.get("decoupled_weight_decay", True) is False and values["weight_decay"]:
+            # NOTE: torch's AdamW honours the key: False is Adam's L2 penalty (g + wd*p), which
+            # the kernels do not run; a torch.optim.Adam checkpoint loaded here sets it.
+            raise ValueError(f"full offload cannot honour decoupled_weight_decay=False with weight_decay="
+                             f"{values['weight_decay']:g} (param_groups[{g}]): that is torch.optim.Adam's L2 penalty; "
+                             f"full offload runs AdamW's decoupled weight decay")
         if bf16_moments and values["eps"] * math.sqrt(1.0 - values["beta2"]) < _BF16_MIN_EPS_HAT:
             least = _BF16_MIN_EPS_HAT / math.sqrt(1.0 - values["beta2"])
             raise ValueError(

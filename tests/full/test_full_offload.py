@@ -186,6 +186,43 @@ def test_add_param_group_rejected():
         off.add_param_group({"params": [nn.Parameter(torch.zeros(2))]})
 
 
+def step_with(model, off, step):
+    for x, extra in batches(step, 1):
+        model(x.to(torch.bfloat16), use_extra=extra).float().pow(2).mean().backward()
+    off.step()
+    off.zero_grad()
+
+
+CHANGED_GROUPS = {
+    "a parameter appended": lambda groups, new: groups[0]["params"].append(new),
+    "a parameter removed": lambda groups, new: groups[1]["params"].pop(0),
+    "a parameter replaced": lambda groups, new: groups[0]["params"].__setitem__(0, new),
+    "a group added past the wrapper": lambda groups, new: groups.append({"params": [new], "lr": 0.1}),
+}
+
+
+@pytest.mark.parametrize("change", CHANGED_GROUPS)
+def test_param_groups_changed_after_wrapping_are_refused_at_the_next_backward(change):
+    """A parameter put into (or taken out of) the groups after wrapping has no host state:
+    it would never be stepped (torch would step it). The next backward raises; with the
+    groups restored, training goes on."""
+    model, opt = build("adamw")
+    off = FullCPUOffloadOptimizer(opt, **SMALL)
+    step_with(model, off, 0)
+    saved = [dict(group, params=list(group["params"])) for group in off.param_groups]
+    CHANGED_GROUPS[change](off.param_groups, nn.Parameter(torch.zeros(2)))
+    with pytest.raises(RuntimeError, match="param_groups no longer hold the parameters"):
+        step_with(model, off, 1)
+    off.param_groups[:] = [off.param_groups[g] for g in range(len(saved))]
+    for group, before in zip(off.param_groups, saved):
+        group["params"] = before["params"]
+    steps = {n: rec.step for n, rec in named(model, off).items()}
+    with pytest.warns(RuntimeWarning, match="raised"):
+        step_with(model, off, 2)
+    assert named(model, off)["l1.weight"].step == steps["l1.weight"] + 1
+    off.close()
+
+
 def test_worker_error_surfaces_with_names(monkeypatch):
     def boom(*args, **kwargs):
         raise ValueError("injected kernel failure")
@@ -224,6 +261,88 @@ def test_timeout_has_pipeline_diagnostic(monkeypatch):
         model(torch.randn(2, 24, dtype=torch.bfloat16)).sum().backward()
         off.step()
     off.close()
+
+
+BAD_OPTIONS = [
+    *[pytest.param(name, bad, error, id=f"{name}={bad!r}") for name, bad, error in [
+        ("timeout_s", float("inf"), ValueError), ("timeout_s", 1e30, ValueError), ("timeout_s", 0, ValueError),
+        ("sysfs_root", None, TypeError), ("sysfs_root", 3, TypeError),
+        ("keep_fp32", None, TypeError), ("keep_fp32", "l1.weight", TypeError), ("keep_fp32", ["l1.weight"], TypeError),
+    ]],
+    pytest.param("keep_fp32", lambda m: m.l1.weight, TypeError, id="keep_fp32=one parameter, not a list"),
+    pytest.param("keep_fp32", lambda m: [m.l1.weight.detach().clone()], ValueError, id="keep_fp32=[a copy]"),
+]
+
+
+@pytest.mark.parametrize("name,bad,error", BAD_OPTIONS)
+def test_bad_options_are_refused_naming_the_argument(name, bad, error):
+    model, opt = build("adamw")
+    before = copy.deepcopy(model.state_dict())
+    with pytest.raises(error, match=name):
+        FullCPUOffloadOptimizer(opt, **{name: bad(model) if callable(bad) else bad}, **SMALL)
+    for key, value in model.state_dict().items():  # nothing changed
+        assert value.dtype == torch.float32 and torch.equal(value, before[key]), key
+
+
+def test_keep_fp32_takes_a_generator_of_the_optimizers_parameters():
+    model, opt = build("adamw")
+    off = FullCPUOffloadOptimizer(opt, keep_fp32=(p for n, p in model.named_parameters() if n == "extra"), **SMALL)
+    assert model.extra.dtype == torch.float32 and model.l1.weight.dtype == torch.bfloat16
+    off.close()
+
+
+@pytest.mark.parametrize("key,bad,error", [("amsgrad", True, ValueError), ("maximize", True, ValueError),
+                                           ("capturable", True, ValueError), ("lr", "0.01", TypeError),
+                                           ("decoupled_weight_decay", False, ValueError)])
+def test_a_group_option_set_after_wrapping_is_refused_at_the_next_backward(key, bad, error):
+    """Setting an option full offload cannot honour in a live group (a user, a scheduler)
+    raises at the next backward, before anything is stepped; undone, training goes on as if
+    the refused pass had never run."""
+    runs = []
+    for refuse in (True, False):
+        model, opt = build("adamw")
+        off = FullCPUOffloadOptimizer(opt, **SMALL)
+        step_with(model, off, 0)
+        if refuse:
+            good = off.param_groups[1][key]
+            off.param_groups[1][key] = bad
+            with pytest.raises(error, match=rf"param_groups\[1\].*{key}|{key}.*param_groups\[1\]"):
+                step_with(model, off, 1)
+            off.param_groups[1][key] = good
+            with pytest.warns(RuntimeWarning, match="raised"):
+                step_with(model, off, 2)
+        else:
+            step_with(model, off, 2)
+        step_with(model, off, 3)
+        runs.append({n: (rec.step, rec.master.clone()) for n, rec in named(model, off).items()})
+        off.close()
+    refused, plain = runs
+    for n, (step, master) in plain.items():
+        assert refused[n][0] == step and torch.equal(refused[n][1], master), n
+
+
+@pytest.mark.parametrize("source,option", [
+    (lambda groups: torch.optim.AdamW(groups, amsgrad=True), "amsgrad=True"),
+    (lambda groups: torch.optim.Adam(groups, weight_decay=0.1), "decoupled_weight_decay=False"),  # L2, not AdamW's
+])
+def test_loading_a_checkpoint_with_an_option_full_offload_cannot_honour_changes_nothing(source, option):
+    """A torch AdamW(amsgrad=True) or Adam(weight_decay > 0) checkpoint: refused at
+    load_state_dict, naming the option."""
+    model, opt = build("adamw")
+    source = source([{"params": g["params"], "lr": g["lr"]} for g in build("adamw")[1].param_groups])
+    off = FullCPUOffloadOptimizer(opt, **SMALL)
+    step_with(model, off, 0)
+    before = copy.deepcopy(off.state_dict())
+    saved = copy.deepcopy(source.state_dict())
+    saved["param_groups"][0]["lr"] = 0.5
+    with pytest.raises(ValueError, match=rf"state_dict: .*{option}.*\(param_groups\[0\]\)"):
+        off.load_state_dict(saved)
+    after = off.state_dict()
+    assert [g["lr"] for g in after["param_groups"]] == [g["lr"] for g in before["param_groups"]]
+    for i, entry in before["state"].items():
+        for key, value in entry.items():
+            assert torch.equal(torch.as_tensor(after["state"][i][key]), torch.as_tensor(value)), (i, key)
+    step_with(model, off, 1)  # and the optimizer trains on
 
 
 def test_close_is_idempotent_and_removes_hooks():
