@@ -465,10 +465,15 @@ def parse_args(argv=None) -> argparse.Namespace:
     args = p.parse_args(argv)
     if args.steps < 1:
         p.error("--steps must be >= 1")
+    if args.seq_len < 1:
+        p.error(f"--seq-len must be >= 1, got {args.seq_len}")
     if args.tokens < args.seq_len or args.tokens % args.seq_len:
         p.error(f"--tokens {args.tokens} must be a positive multiple of --seq-len {args.seq_len}")
     if not args.time_limit_s > 0:
         p.error("--time-limit-s must be > 0")
+    for option, path in (("--json", args.json), ("--plot", args.plot)):  # NOTE: before the run, not after it
+        if path and not os.path.isdir(os.path.dirname(os.path.abspath(path))):
+            p.error(f"{option} {path}: its directory does not exist")
     return args
 
 

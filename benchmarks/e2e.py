@@ -270,6 +270,20 @@ def parse_args(argv=None) -> argparse.Namespace:
     args = p.parse_args(argv)
     if args.steps < 5:
         p.error("--steps: at least 5 timed steps")
+    for name in ("seq_len", "d_model", "n_layers", "n_heads", "ffn_dim", "vocab_size", "nproc_per_node"):
+        if getattr(args, name) < 1:
+            p.error(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
+    if args.warmup < 0 or not args.timeout > 0 or not args.lr >= 0 or not args.weight_decay >= 0:
+        p.error("--warmup must be >= 0, --timeout > 0, --lr and --weight-decay >= 0")
+    try:
+        args.token_budgets = [int(t) for t in args.tokens.split(",") if t.strip()]
+    except ValueError:
+        p.error(f"--tokens must be a comma list of integers, got {args.tokens!r}")
+    if not args.token_budgets or min(args.token_budgets) < 1:
+        p.error(f"--tokens must be a comma list of integers >= 1, got {args.tokens!r}")
+    for option, path in (("--json", args.json), ("--plot", args.plot)):  # NOTE: before the run, not after it
+        if path and not os.path.isdir(os.path.dirname(os.path.abspath(path))):
+            p.error(f"{option} {path}: its directory does not exist")
     return args
 
 
@@ -278,7 +292,7 @@ def configs(args: argparse.Namespace) -> list[dict]:
     unknown = sorted(set(modes) - set(MODES))
     if unknown:
         raise SystemExit(f"unknown modes {unknown}; choose from {', '.join(MODES)}")
-    budgets = [int(t) for t in args.tokens.split(",") if t.strip()]
+    budgets = args.token_budgets
     for t in budgets:
         if t % (args.seq_len * args.nproc_per_node):
             raise SystemExit(f"--tokens {t} is not a multiple of seq_len x GPUs = {args.seq_len * args.nproc_per_node}")

@@ -14,6 +14,7 @@ import argparse
 import importlib.util
 import json
 import math
+import os
 import platform
 import statistics
 import sys
@@ -264,13 +265,18 @@ def _parse(argv):
         ap.error("--repeats must be >= 1")
     if args.threads is not None and args.threads < 1:
         ap.error("--threads must be >= 1")
+    if args.json and not os.path.isdir(os.path.dirname(os.path.abspath(args.json))):
+        ap.error(f"--json {args.json}: its directory does not exist")  # NOTE: checked before the run, not after
+    if args.threads is not None:
+        try:
+            kernels.set_num_threads(args.threads)
+        except ValueError as e:
+            ap.error(f"--threads {args.threads}: {e}")
     return args
 
 
 def main(argv=None) -> int:
     args = _parse(argv)
-    if args.threads is not None:
-        kernels.set_num_threads(args.threads)
     torch.set_num_threads(kernels.get_num_threads())
     isas = args.isa or kernels.available_isas()
     missing = [i for i in isas if i not in kernels.available_isas()]

@@ -102,8 +102,9 @@ def test_configuration_table_and_arguments(capacity):
         assert f"{size:.2f} B" in header, name
     with pytest.raises(SystemExit):
         capacity.make_plan(capacity.parse_args(["--configs", "2b"]))
-    with pytest.raises(SystemExit):
-        capacity.parse_args(["--tokens", "100", "--seq-len", "64"])
+    for argv in (["--tokens", "100", "--seq-len", "64"], ["--seq-len", "0"], ["--json", "/nonexistent-dir/c.json"]):
+        with pytest.raises(SystemExit):
+            capacity.parse_args(argv)
     plan = capacity.make_plan(capacity.parse_args(["--configs", "3b,1b", "--modes", "full_bf16"]))
     assert [c["config"] for c in plan["full_bf16"]] == ["1b", "3b"]  # smallest first, whatever the order given
 

@@ -152,6 +152,15 @@ def test_configs_plan_and_checks(e2e):
         e2e.configs(e2e.parse_args(["--modes", "fulll"]))
 
 
+@pytest.mark.parametrize("argv", [["--tokens", "0"], ["--tokens", "8k"], ["--tokens", ","], ["--warmup", "-1"],
+                                  ["--seq-len", "0"], ["--n-layers", "0"], ["--nproc-per-node", "0"],
+                                  ["--timeout", "0"], ["--json", "/nonexistent-dir/e2e.json"]])
+def test_bad_arguments_stop_before_any_run(e2e, argv, capsys):
+    with pytest.raises(SystemExit) as exit_:
+        e2e.parse_args(argv)
+    assert exit_.value.code == 2 and argv[0] in capsys.readouterr().err.split("error:", 1)[1]
+
+
 def test_no_configuration_ran(e2e, tmp_path, monkeypatch, capsys):
     monkeypatch.setattr(e2e, "host_bandwidth_gbs", lambda: (1.0, "fake"))
     png, out = tmp_path / "e2e.png", tmp_path / "e2e.json"

@@ -322,6 +322,10 @@ def test_cli_without_gpu_explains_and_budgets(monkeypatch, capsys):
     assert out.splitlines()[-1].split() == ["0", "-", "-", "-", "0-3", "3", "3"]
     assert topology_cli.main(["--local-world-size", "5"]) == 1
     assert "empty CPU set" in capsys.readouterr().err
+    for bad in ("0", "-1"):  # 0 used to mean "not given"
+        with pytest.raises(SystemExit) as exit_:
+            topology_cli.main(["--local-world-size", bad])
+        assert exit_.value.code == 2 and "--local-world-size must be >= 1" in capsys.readouterr().err
 
 
 def run_python(code, stderr=False):

@@ -32,6 +32,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--local-world-size", type=int, default=None, help="ranks per host "
                         "(default: one per visible GPU; LOCAL_WORLD_SIZE or 1 without GPUs)")
     args = parser.parse_args(argv)
+    if args.local_world_size is not None and args.local_world_size < 1:
+        parser.error(f"--local-world-size must be >= 1, got {args.local_world_size}")
     logging.basicConfig(level=logging.WARNING, format="warning: %(message)s", stream=sys.stderr)
 
     addresses = topology.gpu_pci_addresses()
