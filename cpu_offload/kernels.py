@@ -335,8 +335,8 @@ def adamw_step(params, grads, exp_avgs, exp_avg_sqs, steps, *, lr, beta1, beta2,
         exp_avgs, exp_avg_sqs: first and second moments, updated in place; fp32, or both
             bf16: widened to fp32, updated in fp32 (the parameter update uses these
             unrounded values) and stored rounded like ``tensor.to(torch.bfloat16)``.
-        steps: 1-D int64 tensor, one step count per tensor; each is incremented first and
-            the bias corrections use the new value (like torch's ``state["step"]``).
+        steps: 1-D int64 tensor, one step count (>= 0) per tensor; each is incremented first
+            and the bias corrections use the new value (like torch's ``state["step"]``).
         lr, beta1, beta2, eps, weight_decay: as torch.optim.AdamW (decoupled decay).
         grad_scale: multiplies each gradient before use (e.g. 1/loss_scale, a clipping
             coefficient); finite and >= 0. 0 is the step with zero gradients (the step count,

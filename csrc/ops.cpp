@@ -1,6 +1,7 @@
 // Batch-level kernel calls: checks, per-tensor scalars, parallel_ranges over the pool.
 #include "ops.h"
 #include <initializer_list>
+#include <limits>
 #include <stdexcept>
 #include <string>
 #include <vector>
@@ -66,6 +67,12 @@ void adamw(const TensorBatch& b, int grad_dtype, int moment_dtype, int out_kind,
   steps_of(b, steps_ptr, "adamw");
   b.require_disjoint(steps_ptr, static_cast<uintptr_t>(b.size()) * sizeof(int64_t), "steps");  // it is written
   auto* steps = reinterpret_cast<int64_t*>(steps_ptr);
+  // NOTE: every count is checked before any is incremented: a refused call changes nothing.
+  // A negative count would make a bias correction 1 - beta^0 = 0 (an infinite step).
+  for (int64_t t = 0; t < b.size(); ++t)
+    if (steps[t] < 0 || steps[t] == std::numeric_limits<int64_t>::max())
+      throw std::invalid_argument("adamw: steps[" + std::to_string(t) + "] is " + std::to_string(steps[t]) +
+                                  "; a step count is >= 0 (the steps taken before this one)");
   std::vector<AdamWScalars> scalars(b.size());
   for (int64_t t = 0; t < b.size(); ++t) scalars[t] = adamw_scalars(h, ++steps[t]);
   const KernelTable& k = active_kernels();

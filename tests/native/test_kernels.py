@@ -312,6 +312,19 @@ def test_adamw_refuses_a_negative_grad_scale(grad_scale):
     assert _unchanged(args, before)
 
 
+@pytest.mark.parametrize("bad", [-1, -(2**63), 2**63 - 1])
+def test_adamw_refuses_a_step_count_it_cannot_increment_and_changes_nothing(bad):
+    """A count below 0 makes a bias correction 1 - beta^0 = 0 (an infinite step, NaN weights);
+    the largest int64 cannot be incremented. The call is refused whole: no tensor and no
+    count changes, the earlier entries' counts included."""
+    args = _random_adamw_args([(16,), (3, 5), (7,)], seed=int.from_bytes(os.urandom(4), "little"))
+    args["steps"][2] = bad
+    before = _snapshot(args)  # the counts included
+    with pytest.raises(ValueError, match=rf"steps\[2\] is {bad}"):
+        kernels.adamw_step(**args, lr=1e-3, beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=0.01)
+    assert _unchanged(args, before)
+
+
 def test_adamw_grad_scale_zero_is_the_step_with_zero_gradients():
     # NOTE: the library steps with 0 after clip_grad_norm_(max_norm=0), as torch does.
     hyper = dict(lr=1e-3, beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=0.01)
