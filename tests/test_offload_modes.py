@@ -81,6 +81,24 @@ def test_full_accepts_only_adamw_and_sign_sgd():
             offload_optimizer(opt, offload="full")
 
 
+@pytest.mark.parametrize("inner", ["optimizer", "full"])
+@pytest.mark.parametrize("outer", ["optimizer", "full"])
+def test_an_offloaded_optimizer_is_not_offloaded_again(inner, outer):
+    """A state-offload wrapper around full offload trained on other numbers than full offload
+    alone, without a word; every wrapper of a wrapper is refused, by either entry point."""
+    model, opt = opt_for()
+    wrapped = offload_optimizer(opt, offload=inner)
+    weight = model.weight.detach().clone()
+    cls = StateOffloadOptimizer if outer == "optimizer" else FullCPUOffloadOptimizer
+    for wrap in (lambda: offload_optimizer(wrapped, offload=outer), lambda: cls(wrapped)):
+        with pytest.raises(TypeError, match=rf"already offloaded \(a {type(wrapped).__name__}"):
+            wrap()
+    assert torch.equal(model.weight, weight)  # nothing changed
+    assert offload_optimizer(wrapped, offload="none") is wrapped
+    if inner == "full":
+        wrapped.close()
+
+
 def test_schedulers_accept_every_wrapper():
     for mode in ("optimizer", "full"):
         model, opt = opt_for()

@@ -14,15 +14,24 @@ from typing import Callable
 
 import torch
 
-__all__ = ["adopt_optimizer", "state_dict_with_hooks", "load_state_dict_with_hooks"]
+__all__ = ["adopt_optimizer", "check_not_offloaded", "state_dict_with_hooks", "load_state_dict_with_hooks"]
 
 _HOOK_TABLES = ("step_pre", "step_post", "state_dict_pre", "state_dict_post",
                 "load_state_dict_pre", "load_state_dict_post")
 
 
+def check_not_offloaded(optimizer) -> None:
+    """An offload wrapper takes a torch optimizer, never another wrapper: the outer one would
+    move or step the inner one's state behind its back (a state-offload wrapper around full
+    offload trained on other numbers)."""
+    if isinstance(getattr(optimizer, "_offloads", None), torch.optim.Optimizer):
+        raise TypeError(f"optimizer is already offloaded (a {type(optimizer).__name__}, from offload_optimizer()): "
+                        f"wrap the torch optimizer once; this wrapper's .optimizer is the one it wraps")
+
+
 def adopt_optimizer(wrapper: torch.optim.Optimizer, optimizer: torch.optim.Optimizer) -> None:
     """Share ``optimizer``'s groups and defaults with ``wrapper`` and set up its hooks."""
-    wrapper.optimizer = optimizer
+    wrapper.optimizer = wrapper._offloads = optimizer
     wrapper.defaults = optimizer.defaults
     wrapper.param_groups = optimizer.param_groups  # NOTE: the same list and dicts
     for name in _HOOK_TABLES:

@@ -17,6 +17,7 @@ from typing import Optional
 import torch
 
 from cpu_offload._common.checks import check_int
+from cpu_offload._common.wrapping import check_not_offloaded
 from cpu_offload.optim import SignSGD
 from cpu_offload._full.packing import align_up
 
@@ -28,6 +29,7 @@ _UNSUPPORTED_ADAMW = ("amsgrad", "maximize", "capturable", "differentiable")
 
 def check_optimizer(optimizer) -> str:
     """The algorithm full offload runs for ``optimizer``: "adamw" or "sign_sgd"."""
+    check_not_offloaded(optimizer)
     if type(optimizer) is torch.optim.AdamW:
         return "adamw"  # its options: read_hparams
     if type(optimizer) is SignSGD:

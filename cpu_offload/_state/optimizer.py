@@ -19,7 +19,9 @@ import torch
 from cpu_offload._common.checks import check_int
 from cpu_offload._common.interrupts import deferred_interrupts
 from cpu_offload._state.staging import StateStaging
-from cpu_offload._common.wrapping import adopt_optimizer, load_state_dict_with_hooks, state_dict_with_hooks
+from cpu_offload._common.wrapping import (
+    adopt_optimizer, check_not_offloaded, load_state_dict_with_hooks, state_dict_with_hooks,
+)
 
 __all__ = ["StateOffloadOptimizer"]
 
@@ -54,6 +56,7 @@ class StateOffloadOptimizer(torch.optim.Optimizer):
                  grad_accum_steps=None) -> None:
         if not isinstance(optimizer, torch.optim.Optimizer):
             raise TypeError(f"optimizer must be a torch.optim.Optimizer, got {type(optimizer).__name__}")
+        check_not_offloaded(optimizer)
         if pin_memory is not None and not isinstance(pin_memory, bool):
             raise TypeError(f"pin_memory must be True, False or None, got {pin_memory!r}")
         if pin_memory and not torch.cuda.is_available():
