@@ -86,13 +86,13 @@ class StateOffloadOptimizer(torch.optim.Optimizer):
 
     def step(self, closure=None):
         """Copy in the state not yet on the device, run the wrapped optimizer's
-        step, start the copies back to the host."""
-        loss = None
-        if closure is not None:
-            with torch.enable_grad():
-                loss = closure()
-        self._staging.run_step(self.optimizer.step)
-        return loss
+        step, start the copies back to the host.
+
+        A ``closure`` goes to the wrapped optimizer's step, which calls it when it needs
+        to (LBFGS: several times; its backward then runs with the state on the device)."""
+        result = []
+        self._staging.run_step(lambda: result.append(self.optimizer.step(*([] if closure is None else [closure]))))
+        return result[0] if result else None
 
     def stats(self) -> dict:
         """Figures of the last step: ``h2d_bytes`` and ``d2h_bytes`` (state bytes

@@ -81,6 +81,7 @@ class StateStaging:
         self.window = 0  # the most backward passes completed between two steps so far
         self.completed = 0  # backward passes completed since the last step (or zero_grad)
         self.watching = False  # the end of the running backward is being watched
+        self.stepping = False  # inside the wrapped step (a closure it calls may run backward)
         self.arrived: set = set()  # id(param) of every gradient since the last step
         self.arrival: list = []  # parameters in the order their first gradient arrived
         self.h2d_bytes = 0  # since the last step, prefetches included
@@ -107,6 +108,8 @@ class StateStaging:
 
     def grad_ready(self, p: torch.Tensor) -> None:
         """Gradient hook: prefetch ``p``'s state during the window's last backward."""
+        if self.stepping:  # a backward of the step's closure: the state is in already
+            return
         with self.lock:
             if not self.watching:  # the first gradient of this backward
                 self.watching = True
@@ -208,8 +211,10 @@ class StateStaging:
             try:
                 with self.lock:
                     used, copied = self._bring_in()
+                self.stepping = True
                 step()
             finally:
+                self.stepping = False
                 with self.lock:
                     d2h, overlapped = self._copy_out(self.overlap.overlap_bytes())
                     self._clear_prefetched()

@@ -3,6 +3,7 @@
 # as it does between pinned host RAM and the GPU.
 import io
 
+import pytest
 import torch
 import torch.nn as nn
 
@@ -41,6 +42,41 @@ def test_equals_wrapped_optimizer_bitwise():
     for p in m2.parameters():
         assert wrapped.state[p]["exp_avg"] is state_staging_of(wrapped).host[(id(p), "exp_avg")]
     assert wrapped.param_groups is wrapped.optimizer.param_groups
+
+
+def closure_steps(model, opt, data):
+    losses = []
+    for x in data:
+        def closure(x=x):
+            opt.zero_grad()
+            loss = model(x).pow(2).mean()
+            loss.backward()
+            return loss
+        losses.append(opt.step(closure))
+    return losses
+
+
+@pytest.mark.parametrize("make", [
+    lambda ps: torch.optim.LBFGS(ps, lr=0.5, max_iter=4, history_size=3),  # calls its closure several times
+    lambda ps: torch.optim.AdamW(ps, lr=1e-2, weight_decay=0.1),
+], ids=["LBFGS", "AdamW"])
+def test_step_with_a_closure_equals_the_wrapped_optimizer_bitwise(make):
+    """The closure goes to the wrapped optimizer's step: LBFGS, which needs it there, used to
+    raise a TypeError; the losses the steps return are the wrapped optimizer's."""
+    m1, data = model_and_data()
+    m2, _ = model_and_data()
+    plain, wrapped = make(m1.parameters()), StateOffloadOptimizer(make(m2.parameters()))
+    want, got = closure_steps(m1, plain, data), closure_steps(m2, wrapped, data)
+    assert [float(loss) for loss in got] == [float(loss) for loss in want]
+    for a, b in zip(m1.parameters(), m2.parameters()):
+        assert torch.equal(a, b)
+    assert wrapped.stats()["prefetched_bytes"] == 0  # the closure's backward found the state in
+    if not isinstance(plain, torch.optim.LBFGS):  # steps without a closure go on as before
+        train(m2, wrapped, data[:2])
+        train(m1, plain, data[:2])
+        assert wrapped.stats()["prefetched_bytes"] > 0
+        for a, b in zip(m1.parameters(), m2.parameters()):
+            assert torch.equal(a, b)
 
 
 def test_state_dict_round_trip_and_scheduler():
