@@ -21,8 +21,8 @@ from cpu_offload._common.wrapping import check_not_offloaded
 from cpu_offload.optim import SignSGD
 from cpu_offload._full.packing import align_up
 
-__all__ = ["check_optimizer", "check_options", "check_keep_fp32", "check_gpu_state", "staging_rings", "ring_rooms", "Rings",
-           "read_hparams"]
+__all__ = ["check_optimizer", "check_options", "check_keep_fp32", "check_gpu_state", "staging_rings", "ring_rooms",
+           "Rings", "read_hparams"]
 
 _UNSUPPORTED_ADAMW = ("amsgrad", "maximize", "capturable", "differentiable")
 
@@ -59,7 +59,8 @@ def check_options(*, algorithm: str, grad_accum_steps, compute_dtype, state_dtyp
         check_int("num_slots", num_slots, low=1)
     if pinned_bytes is not None:
         check_int("pinned_bytes", pinned_bytes, low=2 * (num_slots or 4) * 4096, detail=f" (num_slots={num_slots or 4})")
-    if isinstance(timeout_s, bool) or not isinstance(timeout_s, (int, float)) or not 0 < timeout_s <= threading.TIMEOUT_MAX:
+    if (isinstance(timeout_s, bool) or not isinstance(timeout_s, (int, float))
+            or not 0 < timeout_s <= threading.TIMEOUT_MAX):
         raise ValueError(f"timeout_s must be a number > 0 and at most threading.TIMEOUT_MAX "
                          f"({threading.TIMEOUT_MAX:g}), got {timeout_s!r}")
     if not isinstance(sysfs_root, (str, os.PathLike)):

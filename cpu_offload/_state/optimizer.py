@@ -91,8 +91,9 @@ class StateOffloadOptimizer(torch.optim.Optimizer):
         A ``closure`` goes to the wrapped optimizer's step, which calls it when it needs
         to (LBFGS: several times; its backward then runs with the state on the device)."""
         result = []
-        self._staging.run_step(lambda: result.append(self.optimizer.step(*([] if closure is None else [closure]))))
-        return result[0] if result else None
+        step = self.optimizer.step
+        self._staging.run_step(lambda: result.append(step() if closure is None else step(closure)))
+        return result[0]
 
     def stats(self) -> dict:
         """Figures of the last step: ``h2d_bytes`` and ``d2h_bytes`` (state bytes
