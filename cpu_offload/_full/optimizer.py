@@ -22,7 +22,7 @@
 # Scope: construction (checks, binding, host state, pinned rings, hooks), the
 # protocol above, zero_grad, clip_grad_norm_, stats, close. Non-goals:
 # optimizers other than torch AdamW and cpu_offload.SignSGD, parameters on
-# several devices, FSDP2's ``set_requires_gradient_sync(False)``.
+# several devices.
 
 from __future__ import annotations
 

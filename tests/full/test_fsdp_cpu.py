@@ -9,7 +9,9 @@
 # varying number of micro-batches, a divide factor and clipping equals
 # torch.optim.AdamW fed the same gradients. With overlap_forward (the hooks on FSDP2's
 # groups), two processes equal one process without it. Weights edited outside the optimizer
-# (in place, or by model.load_state_dict) reach the masters as without FSDP2.
+# (in place, or by model.load_state_dict) reach the masters as without FSDP2. With gradient
+# sync off on all but the last micro-batch (HF Trainer's and accelerate's accumulation), the
+# window's reduce-scattered sum is stepped bit for bit as cpu_offload.reference steps it.
 import os
 import sys
 
@@ -221,6 +223,56 @@ def window_worker(out_dir):
     dist.destroy_process_group()
 
 
+def no_sync_worker(out_dir):
+    """What HF Trainer and accelerate do under FSDP2: gradient sync off on all but the last
+    micro-batch. FSDP2 then keeps the window's unsharded gradient (in bf16) until the last
+    backward reduce-scatters it whole. The reference: the same bf16 model, sharded alike and
+    driven alike, its reduce-scattered window gradient stepped by cpu_offload.reference on
+    fp32 masters. Each rank's masters and compute copies must equal it bit for bit."""
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from cpu_offload import offload_optimizer
+    from cpu_offload.reference import adamw_reference_
+
+    dist.init_process_group("gloo")
+    rank = dist.get_rank()
+    mesh = init_device_mesh("cpu", (dist.get_world_size(),))
+    gpu_state = int(os.environ["TEST_GPU_STATE"]) if os.environ.get("TEST_GPU_STATE") else None
+    model = _shard(make_model(), mesh)
+    opt = offload_optimizer(make_opt(model), offload="full", grad_accum_steps=ACCUM, pinned_bytes=1 << 15, num_slots=2,
+                            gpu_state=gpu_state)
+    ref = _shard(make_model().to(torch.bfloat16), mesh)
+    ref_params = [p for g in make_opt(ref).param_groups for p in g["params"]]  # the optimizer's order
+    groups = [(g, p) for g in opt.param_groups for p in g["params"]]
+    masters = [e["master"].to_local().clone() for e in opt.state_dict()["state"].values()]
+    moments = [(torch.zeros_like(m), torch.zeros_like(m)) for m in masters]
+    start = [m.clone() for m in masters]
+    for s in range(STEPS):
+        for m in range(ACCUM):
+            for net in (model, ref):
+                net.set_requires_gradient_sync(m == ACCUM - 1)
+                x = batch(s, m) * (1 + rank)  # other data on each rank: the reduce-scatter sums
+                net(x).float().pow(2).mean().backward()
+        opt.step()
+        opt.zero_grad()
+        with torch.no_grad():
+            for (group, _), q, master, (exp_avg, exp_avg_sq) in zip(groups, ref_params, masters, moments):
+                adamw_reference_(master, q.grad.to_local(), exp_avg, exp_avg_sq, s + 1, lr=group["lr"],
+                                 beta1=group["betas"][0], beta2=group["betas"][1], eps=group["eps"],
+                                 weight_decay=group["weight_decay"])
+                q.to_local().copy_(master.to(torch.bfloat16))
+                q.grad = None
+    sd = opt.state_dict()["state"]
+    result = {"equal": [torch.equal(e["master"].to_local(), master) for e, master in zip(sd.values(), masters)],
+              "compute_equal": [torch.equal(p.to_local(), q.to_local()) for (_, p), q in zip(groups, ref_params)],
+              "steps": [int(e["step"]) for e in sd.values()],
+              "moved": [bool((master != m0).any()) for master, m0 in zip(masters, start) if m0.numel()]}
+    torch.save(result, os.path.join(out_dir, f"no_sync{rank}.pt"))
+    opt.close()
+    dist.destroy_process_group()
+
+
 def _run_workers(mode, tmp_path, world=2, gpu_state=None):
     run_ranks(__file__, [mode, str(tmp_path)], world, TEST_GPU_STATE="" if gpu_state is None else str(gpu_state))
 
@@ -414,8 +466,18 @@ def test_fsdp2_overlap_forward_equals_one_process_without(tmp_path):
     opt.close()
 
 
+@pytest.mark.parametrize("gpu_state", [None, 2400])
+def test_fsdp2_gradient_sync_off_but_on_the_last_micro_batch_steps_the_window_exactly(tmp_path, gpu_state):
+    _run_workers("--no-sync-worker", tmp_path, gpu_state=gpu_state)
+    for rank in range(2):
+        result = torch.load(tmp_path / f"no_sync{rank}.pt")
+        assert all(result["equal"]) and all(result["compute_equal"]), (rank, result)
+        assert result["steps"] == [STEPS] * 6 and all(result["moved"]), (rank, result)
+
+
 WORKERS = {"--worker": worker, "--clip-worker": clip_worker, "--window-worker": window_worker,
-           "--overlap-worker": overlap_worker, "--single-rank-clip-worker": single_rank_clip_worker}
+           "--overlap-worker": overlap_worker, "--single-rank-clip-worker": single_rank_clip_worker,
+           "--no-sync-worker": no_sync_worker}
 
 if __name__ == "__main__" and sys.argv[1:2] and sys.argv[1] in WORKERS:
     rank_main(lambda: WORKERS[sys.argv[1]](sys.argv[2]))
