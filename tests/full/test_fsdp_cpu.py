@@ -225,8 +225,8 @@ def window_worker(out_dir):
 
 def no_sync_worker(out_dir):
     """What HF Trainer and accelerate do under FSDP2: gradient sync off on all but the last
-    micro-batch. FSDP2 then keeps the window's unsharded gradient (in bf16) until the last
-    backward reduce-scatters it whole. The reference: the same bf16 model, sharded alike and
+    micro-batch (under HSDP, the all-reduce across replicas only). FSDP2 then keeps the
+    window's gradient until the last backward reduces it whole. The reference: the same bf16 model, sharded alike and
     driven alike, its reduce-scattered window gradient stepped by cpu_offload.reference on
     fp32 masters. Each rank's masters and compute copies must equal it bit for bit."""
     import torch.distributed as dist
@@ -239,6 +239,8 @@ def no_sync_worker(out_dir):
     rank = dist.get_rank()
     mesh = init_device_mesh("cpu", (dist.get_world_size(),))
     gpu_state = int(os.environ["TEST_GPU_STATE"]) if os.environ.get("TEST_GPU_STATE") else None
+    if os.environ.get("TEST_HSDP"):
+        mesh = init_device_mesh("cpu", (2, dist.get_world_size() // 2), mesh_dim_names=("replicate", "shard"))
     model = _shard(make_model(), mesh)
     opt = offload_optimizer(make_opt(model), offload="full", grad_accum_steps=ACCUM, pinned_bytes=1 << 15, num_slots=2,
                             gpu_state=gpu_state)
@@ -251,7 +253,10 @@ def no_sync_worker(out_dir):
     for s in range(STEPS):
         for m in range(ACCUM):
             for net in (model, ref):
-                net.set_requires_gradient_sync(m == ACCUM - 1)
+                if os.environ.get("TEST_HSDP"):
+                    net.set_requires_all_reduce(m == ACCUM - 1)
+                else:
+                    net.set_requires_gradient_sync(m == ACCUM - 1)
                 x = batch(s, m) * (1 + rank)  # other data on each rank: the reduce-scatter sums
                 net(x).float().pow(2).mean().backward()
         opt.step()
@@ -466,10 +471,14 @@ def test_fsdp2_overlap_forward_equals_one_process_without(tmp_path):
     opt.close()
 
 
-@pytest.mark.parametrize("gpu_state", [None, 2400])
-def test_fsdp2_gradient_sync_off_but_on_the_last_micro_batch_steps_the_window_exactly(tmp_path, gpu_state):
-    _run_workers("--no-sync-worker", tmp_path, gpu_state=gpu_state)
-    for rank in range(2):
+# HSDP (4 ranks: 2 replicas of 2 shards) defers only the all-reduce across replicas
+# (set_requires_all_reduce(False)), as HF Trainer does for replicated FSDP2 models
+@pytest.mark.parametrize("world, hsdp, gpu_state", [(2, False, None), (2, False, 2400), (4, True, None)])
+def test_fsdp2_gradient_sync_off_but_on_the_last_micro_batch_steps_the_window_exactly(tmp_path, world, hsdp,
+                                                                                     gpu_state):
+    run_ranks(__file__, ["--no-sync-worker", str(tmp_path)], world, TEST_HSDP="1" if hsdp else "",
+              TEST_GPU_STATE="" if gpu_state is None else str(gpu_state))
+    for rank in range(world):
         result = torch.load(tmp_path / f"no_sync{rank}.pt")
         assert all(result["equal"]) and all(result["compute_equal"]), (rank, result)
         assert result["steps"] == [STEPS] * 6 and all(result["moved"]), (rank, result)
