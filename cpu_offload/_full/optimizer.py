@@ -110,6 +110,12 @@ def _unhook(records, handles) -> None:
     ownership.release(rec.param for rec in records)
 
 
+def _param_ids(param_groups) -> list:
+    """The identity of each group's parameters, in order. NOTE: the wrapped parameters stay
+    alive (the wrapper holds each one), so no other object can take one of their ids."""
+    return [[id(p) for p in group["params"]] for group in param_groups]
+
+
 class FullCPUOffloadOptimizer(WindowControls, torch.optim.Optimizer):
     """Wraps a torch.optim.AdamW or cpu_offload.SignSGD and runs it on the CPU
     during backward.
@@ -319,7 +325,7 @@ class FullCPUOffloadOptimizer(WindowControls, torch.optim.Optimizer):
                 self._proto.window = grad_accum_steps
                 self.timeout_s = float(timeout_s)
                 self._records, self._frozen = records, frozen
-                self._group_params = [tuple(group["params"]) for group in optimizer.param_groups]
+                self._group_ids = _param_ids(optimizer.param_groups)
                 self._accumulate = accumulate
                 self._transfer = transfer
                 self.grad_copy = grad_copy
@@ -845,10 +851,7 @@ class FullCPUOffloadOptimizer(WindowControls, torch.optim.Optimizer):
                 raise RuntimeError(
                     "a parameter that was frozen (requires_grad=False) when the optimizer was wrapped now requires "
                     "grad; full offload built its host state at construction: set requires_grad before wrapping")
-        groups = [tuple(group["params"]) for group in self.param_groups]
-        if len(groups) != len(self._group_params) or any(
-                len(now) != len(then) or any(a is not b for a, b in zip(now, then))
-                for now, then in zip(groups, self._group_params)):
+        if _param_ids(self.param_groups) != self._group_ids:
             raise RuntimeError(
                 "the optimizer's param_groups no longer hold the parameters they held when offload_optimizer wrapped "
                 "it (a group or parameter added, removed or replaced); full offload built its host state at "
