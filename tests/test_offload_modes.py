@@ -99,6 +99,57 @@ def test_an_offloaded_optimizer_is_not_offloaded_again(inner, outer):
         wrapped.close()
 
 
+@pytest.mark.parametrize("first,second", [("optimizer", "optimizer"), ("optimizer", "full"),
+                                          ("full", "optimizer"), ("full", "full")])
+def test_a_torch_optimizer_has_one_live_wrapper(first, second):
+    """A second wrapper over a torch optimizer that a live one drives was accepted (all but
+    full over full): a state-offload wrapper over full offload checkpointed the torch
+    optimizer's empty state, and two state-offload wrappers each moved the one state
+    (on a GPU, one's copy-in could read host buffers the other's copy-out was writing)."""
+    model, opt = opt_for()
+    wrapped = offload_optimizer(opt, offload=first)
+    weight = model.weight.detach().clone()
+    cls = StateOffloadOptimizer if second == "optimizer" else FullCPUOffloadOptimizer
+    ends = "close\\(\\) it" if first == "full" else "drop every reference"
+    for wrap in (lambda: offload_optimizer(opt, offload=second), lambda: cls(opt)):
+        with pytest.raises(RuntimeError, match=rf"driven by a live {type(wrapped).__name__}.*{ends}"):
+            wrap()
+    assert model.weight.dtype == weight.dtype and torch.equal(model.weight, weight)  # nothing changed
+    if first == "full":
+        wrapped.close()
+    else:
+        del wrapped
+    if (first, second) != ("full", "full"):  # full offload cast the parameters: refused for that
+        again = offload_optimizer(opt, offload=second)
+        assert again.optimizer is opt
+        if second == "full":
+            again.close()
+
+
+@pytest.mark.parametrize("mode", ["optimizer", "full"])
+def test_a_wrapper_whose_construction_failed_does_not_hold_the_optimizer(monkeypatch, mode):
+    import cpu_offload._full.optimizer as full_module
+    from cpu_offload._state.staging import StateStaging
+
+    def fail(*args, **kwargs):
+        raise RuntimeError("injected")
+
+    model, opt = opt_for()
+    with monkeypatch.context() as patch:  # both fail after the wrapper took the optimizer
+        if mode == "optimizer":
+            patch.setattr(StateStaging, "hook_params", fail)
+        else:
+            patch.setattr(full_module, "StateMapping", fail)
+        with pytest.raises(RuntimeError, match="injected") as failed:
+            offload_optimizer(opt, offload=mode)
+    assert failed.value.__traceback__ is not None  # the half-built wrapper is still referenced
+    assert model.weight.dtype == torch.float32
+    wrapped = offload_optimizer(opt, offload=mode)
+    assert wrapped.optimizer is opt
+    if mode == "full":
+        wrapped.close()
+
+
 def test_schedulers_accept_every_wrapper():
     for mode in ("optimizer", "full"):
         model, opt = opt_for()

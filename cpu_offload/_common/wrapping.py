@@ -4,20 +4,25 @@
 # Optimizer.__init__: the same param_groups list and dicts (so LR schedulers
 # drive the wrapped optimizer), its defaults, the hook tables torch's
 # step/state_dict machinery expects, and running the state-dict hooks
-# registered on the wrapper exactly as torch.optim.Optimizer runs them.
+# registered on the wrapper exactly as torch.optim.Optimizer runs them; one live
+# wrapper per torch optimizer.
 # Non-goals: what a wrapper's state_dict contains (its own ``build``/``apply``).
 
 from __future__ import annotations
 
+import weakref
 from collections import OrderedDict
 from typing import Callable
 
 import torch
 
-__all__ = ["adopt_optimizer", "check_not_offloaded", "state_dict_with_hooks", "load_state_dict_with_hooks"]
+__all__ = ["adopt_optimizer", "check_not_offloaded", "release_optimizer", "state_dict_with_hooks",
+           "load_state_dict_with_hooks"]
 
 _HOOK_TABLES = ("step_pre", "step_post", "state_dict_pre", "state_dict_post",
                 "load_state_dict_pre", "load_state_dict_post")
+# torch optimizer -> weak reference to the live wrapper that drives it
+_wrappers: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
 
 
 def check_not_offloaded(optimizer) -> None:
@@ -27,16 +32,36 @@ def check_not_offloaded(optimizer) -> None:
     if isinstance(getattr(optimizer, "_offloads", None), torch.optim.Optimizer):
         raise TypeError(f"optimizer is already offloaded (a {type(optimizer).__name__}, from offload_optimizer()): "
                         f"wrap the torch optimizer once; this wrapper's .optimizer is the one it wraps")
+    ref = _wrappers.get(optimizer)
+    wrapper = None if ref is None else ref()
+    if wrapper is not None:
+        # NOTE: two live wrappers would each move or step the one state: a state-offload
+        # wrapper's copy-in would read the host buffers whose copy-out the other one's
+        # stream may still be writing, and a state-offload wrapper over full offload would
+        # checkpoint the torch optimizer's empty state instead of the masters.
+        ends = "close() it" if hasattr(wrapper, "close") else "drop every reference to it"
+        raise RuntimeError(f"optimizer is already driven by a live {type(wrapper).__name__} (from offload_optimizer()): "
+                           f"a torch optimizer can have one offload wrapper at a time; keep using that one, or "
+                           f"{ends} before wrapping the optimizer again")
 
 
 def adopt_optimizer(wrapper: torch.optim.Optimizer, optimizer: torch.optim.Optimizer) -> None:
-    """Share ``optimizer``'s groups and defaults with ``wrapper`` and set up its hooks."""
+    """Share ``optimizer``'s groups and defaults with ``wrapper`` and set up its hooks;
+    ``wrapper`` drives ``optimizer`` until ``release_optimizer`` or its end."""
+    _wrappers[optimizer] = weakref.ref(wrapper)
     wrapper.optimizer = wrapper._offloads = optimizer
     wrapper.defaults = optimizer.defaults
     wrapper.param_groups = optimizer.param_groups  # NOTE: the same list and dicts
     for name in _HOOK_TABLES:
         setattr(wrapper, f"_optimizer_{name}_hooks", OrderedDict())
     wrapper._patch_step_function()
+
+
+def release_optimizer(wrapper: torch.optim.Optimizer) -> None:
+    """``wrapper`` no longer drives its torch optimizer (closed, or its construction undone)."""
+    optimizer = getattr(wrapper, "_offloads", None)
+    if optimizer is not None and (ref := _wrappers.get(optimizer)) is not None and ref() is wrapper:
+        del _wrappers[optimizer]
 
 
 def state_dict_with_hooks(wrapper: torch.optim.Optimizer, build: Callable[[], dict]) -> dict:

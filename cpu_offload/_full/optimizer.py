@@ -65,7 +65,9 @@ from cpu_offload._full.device_state import (
 )
 from cpu_offload._full.controls import WindowControls
 from cpu_offload._full import torch_clipping
-from cpu_offload._common.wrapping import adopt_optimizer, load_state_dict_with_hooks, state_dict_with_hooks
+from cpu_offload._common.wrapping import (
+    adopt_optimizer, load_state_dict_with_hooks, release_optimizer, state_dict_with_hooks,
+)
 
 __all__ = ["FullCPUOffloadOptimizer"]
 
@@ -365,6 +367,7 @@ class FullCPUOffloadOptimizer(WindowControls, torch.optim.Optimizer):
         finalizer = getattr(self, "_finalizer", None)
         if finalizer is not None:
             finalizer.detach()
+        release_optimizer(self)
         _unhook(records, handles)
         for rec in records:
             if id(rec.param) in originals:
@@ -896,6 +899,7 @@ class FullCPUOffloadOptimizer(WindowControls, torch.optim.Optimizer):
             self._land()  # NOTE: the last step's weights land before the worker stops
         finally:
             self._proto.move(Phase.CLOSED)
+            release_optimizer(self)
             self._finalizer()
 
     def __repr__(self) -> str:

@@ -20,7 +20,7 @@ from cpu_offload._common.checks import check_int
 from cpu_offload._common.interrupts import deferred_interrupts
 from cpu_offload._state.staging import StateStaging
 from cpu_offload._common.wrapping import (
-    adopt_optimizer, check_not_offloaded, load_state_dict_with_hooks, state_dict_with_hooks,
+    adopt_optimizer, check_not_offloaded, load_state_dict_with_hooks, release_optimizer, state_dict_with_hooks,
 )
 
 __all__ = ["StateOffloadOptimizer"]
@@ -67,13 +67,17 @@ class StateOffloadOptimizer(torch.optim.Optimizer):
         check_int("grad_accum_steps", grad_accum_steps, low=1, none="")
         adopt_optimizer(self, optimizer)
         self.pin_memory = torch.cuda.is_available() if pin_memory is None else pin_memory
-        # NOTE: every mutable thing lives inside this one object, never in a
-        # rebound attribute: Lightning's optimizer proxy runs these methods with
-        # itself as ``self`` and reads missing attributes from the wrapper, so a
-        # rebound attribute would land on the proxy only.
-        self._staging = StateStaging(optimizer, pin=self.pin_memory, prefetch_bytes=prefetch_bytes,
-                                     grad_accum_steps=grad_accum_steps)
-        self._staging.hook_params()
+        try:
+            # NOTE: every mutable thing lives inside this one object, never in a
+            # rebound attribute: Lightning's optimizer proxy runs these methods with
+            # itself as ``self`` and reads missing attributes from the wrapper, so a
+            # rebound attribute would land on the proxy only.
+            self._staging = StateStaging(optimizer, pin=self.pin_memory, prefetch_bytes=prefetch_bytes,
+                                         grad_accum_steps=grad_accum_steps)
+            self._staging.hook_params()
+        except BaseException:
+            release_optimizer(self)  # the traceback may keep this half-built wrapper alive
+            raise
 
     @property
     def state(self):

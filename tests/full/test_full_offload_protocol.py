@@ -683,9 +683,9 @@ def test_wrapping_twice_is_refused():
     model = Net()
     base = torch.optim.AdamW(model.parameters())
     first = FullCPUOffloadOptimizer(base, **SMALL)
-    with pytest.raises(RuntimeError, match="already driven by another full-offload optimizer"):
+    with pytest.raises(RuntimeError, match="already driven by a live FullCPUOffloadOptimizer"):
         FullCPUOffloadOptimizer(base, **SMALL)
-    with pytest.raises(RuntimeError, match="already driven"):
+    with pytest.raises(RuntimeError, match="already driven by another full-offload optimizer"):
         FullCPUOffloadOptimizer(torch.optim.AdamW(model.l1.parameters()), **SMALL)
     first.close()
     with pytest.raises(RuntimeError, match="was cast from torch.float32 to torch.bfloat16 by an earlier"):
