@@ -75,6 +75,7 @@ from pathlib import Path
 from typing import Callable, Optional
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # worker_process, also when loaded by path
+from cli_checks import check_output_paths  # noqa: E402
 from worker_process import run_worker  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -471,9 +472,7 @@ def parse_args(argv=None) -> argparse.Namespace:
         p.error(f"--tokens {args.tokens} must be a positive multiple of --seq-len {args.seq_len}")
     if not args.time_limit_s > 0:
         p.error("--time-limit-s must be > 0")
-    for option, path in (("--json", args.json), ("--plot", args.plot)):  # NOTE: before the run, not after it
-        if path and not os.path.isdir(os.path.dirname(os.path.abspath(path))):
-            p.error(f"{option} {path}: its directory does not exist")
+    check_output_paths(p, ("--json", args.json), ("--plot", args.plot))
     return args
 
 

@@ -10,11 +10,16 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
+import sys
+from pathlib import Path
 
 import torch
 
-from cpu_offload._full.device_kernel import fused_adamw_
-from cpu_offload._full.device_state import adamw_piece_
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # cli_checks, also when loaded by path
+from cli_checks import check_at_least, check_output_paths  # noqa: E402
+
+from cpu_offload._full.device_kernel import fused_adamw_  # noqa: E402
+from cpu_offload._full.device_state import adamw_piece_  # noqa: E402
 
 HP = dict(lr=3e-4, beta1=0.9, beta2=0.95, eps=1e-8, weight_decay=0.1, grad_scale=1.0)
 
@@ -70,12 +75,17 @@ def rows_for(state_dtype: torch.dtype, n: int, repeats: int) -> list:
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__)
+    ap = argparse.ArgumentParser(description="The device step of gpu_state= against torch's passes and fused AdamW.")
     ap.add_argument("--numel", type=int, default=1 << 28)
     ap.add_argument("--repeats", type=int, default=9)
     ap.add_argument("--json", metavar="PATH")
     args = ap.parse_args(argv)
     n = args.numel
+    check_at_least(ap, "--numel", n)
+    check_at_least(ap, "--repeats", args.repeats)
+    check_output_paths(ap, ("--json", args.json))
+    if not torch.cuda.is_available():
+        ap.error("needs a CUDA device: it times the device step of gpu_state=")
     probe = probe_gb_s(n, args.repeats)
     rows = rows_for(torch.bfloat16, n, args.repeats) + rows_for(torch.float32, n, args.repeats)
     print(f"{torch.cuda.get_device_name()}, {n} elements, copy probe {probe:.0f} GB/s")

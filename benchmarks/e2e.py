@@ -44,6 +44,7 @@ from typing import Optional
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # e2e_report, also when loaded by path
 from e2e_report import (LABELS, MODES, build_report, format_table, plot,  # noqa: E402
                         summarize, summary_lines, write_json)
+from cli_checks import check_output_paths  # noqa: E402
 from worker_process import run_worker  # noqa: E402
 
 # The max_norm each clipping mode passes to the example's clip_gradients().
@@ -281,9 +282,7 @@ def parse_args(argv=None) -> argparse.Namespace:
         p.error(f"--tokens must be a comma list of integers, got {args.tokens!r}")
     if not args.token_budgets or min(args.token_budgets) < 1:
         p.error(f"--tokens must be a comma list of integers >= 1, got {args.tokens!r}")
-    for option, path in (("--json", args.json), ("--plot", args.plot)):  # NOTE: before the run, not after it
-        if path and not os.path.isdir(os.path.dirname(os.path.abspath(path))):
-            p.error(f"{option} {path}: its directory does not exist")
+    check_output_paths(p, ("--json", args.json), ("--plot", args.plot))
     return args
 
 

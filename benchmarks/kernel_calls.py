@@ -21,6 +21,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # adamw_pass, also when loaded by path
 from adamw_pass import BYTES_PER_ELEMENT, CHECK, HP, check_step, median_times, state  # noqa: E402
+from cli_checks import check_at_least, check_output_paths  # noqa: E402
 
 from cpu_offload import kernels  # noqa: E402
 from cpu_offload.reference import adamw_reference_  # noqa: E402
@@ -73,15 +74,22 @@ def main(argv=None) -> int:
                    "full offload leaves one CPU of its set to Python")
     p.add_argument("--json", metavar="PATH")
     args = p.parse_args(argv)
+    n = int(args.numel)
+    check_at_least(p, "--numel", n)
+    check_at_least(p, "--repeats", args.repeats)
+    check_output_paths(p, ("--json", args.json))
     if args.threads is not None:
-        kernels.set_num_threads(args.threads)
+        check_at_least(p, "--threads", args.threads)
+        try:
+            kernels.set_num_threads(args.threads)
+        except ValueError as e:
+            p.error(f"--threads {args.threads}: {e}")
     try:
         slots = [int(x) for x in args.slots_mib.split(",")]
     except ValueError:
         slots = []
     if not slots or any(s < 1 for s in slots):
         p.error(f"--slots-mib must list positive sizes, got {args.slots_mib!r}")
-    n = int(args.numel)
     rows = []
     for moments in (torch.float32, torch.bfloat16):
         rows += rows_for(moments, n, slots, args.repeats)

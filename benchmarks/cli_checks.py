@@ -1,0 +1,27 @@
+# Argument checks shared by the benchmark scripts' command lines.
+#
+# Scope: the output files (--json, --plot), counts with a lower bound. Stays free of torch and cpu_offload imports, so
+# that a driver script which only starts workers stays light. Non-goals: checks of one
+# script only (they stay beside it).
+
+from __future__ import annotations
+
+import argparse
+import os
+
+__all__ = ["check_output_paths", "check_at_least"]
+
+
+def check_output_paths(parser: argparse.ArgumentParser, *options: tuple) -> None:
+    """``parser.error()`` (exit 2) for the first ``(option, path)`` whose path is given and
+    whose directory does not exist. NOTE: called before the run, which a bad path would
+    otherwise lose at its end."""
+    for option, path in options:
+        if path and not os.path.isdir(os.path.dirname(os.path.abspath(path))):
+            parser.error(f"{option} {path}: its directory does not exist")
+
+
+def check_at_least(parser: argparse.ArgumentParser, option: str, value, low: int = 1) -> None:
+    """``parser.error()`` (exit 2) unless ``value`` >= ``low``."""
+    if not value >= low:
+        parser.error(f"{option} must be >= {low}, got {value}")

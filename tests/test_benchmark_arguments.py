@@ -1,0 +1,32 @@
+# The benchmark scripts that time kernels stop at a bad argument with a usage error naming it,
+# before any run (a missing --json directory used to fail after the whole run, losing it).
+import pytest
+from helpers import load_benchmark
+
+from cpu_offload import kernels
+
+BAD = {
+    "kernel_calls.py": [["--numel", "0"], ["--numel", "-5"], ["--repeats", "0"], ["--threads", "0"],
+                        ["--threads", "100000"], ["--json", "/nonexistent-dir/k.json"]],
+    "huge_pages.py": [["--numel", "0"], ["--repeats", "0"], ["--json", "/nonexistent-dir/h.json"]],
+    "device_step.py": [["--numel", "0"], ["--repeats", "0"], ["--json", "/nonexistent-dir/d.json"]],
+}
+
+
+@pytest.mark.parametrize("script,argv", [(script, argv) for script, cases in BAD.items() for argv in cases])
+def test_bad_arguments_stop_before_any_run(script, argv, capsys, monkeypatch):
+    bench = load_benchmark(script, script.removesuffix(".py") + "_arguments")
+    threads = kernels.get_num_threads()
+    monkeypatch.setattr(bench, "rows_for", lambda *a, **k: pytest.fail("the run started"), raising=False)
+    with pytest.raises(SystemExit) as exit_:
+        bench.main(argv)
+    assert exit_.value.code == 2 and argv[0] in capsys.readouterr().err.split("error:", 1)[1]
+    assert kernels.get_num_threads() == threads
+
+
+def test_the_device_step_benchmark_without_cuda_says_so(capsys, monkeypatch):
+    bench = load_benchmark("device_step.py", "device_step_arguments")
+    monkeypatch.setattr(bench.torch.cuda, "is_available", lambda: False)
+    with pytest.raises(SystemExit) as exit_:
+        bench.main(["--numel", "1024"])
+    assert exit_.value.code == 2 and "needs a CUDA device" in capsys.readouterr().err
