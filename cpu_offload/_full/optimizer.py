@@ -338,7 +338,7 @@ class FullCPUOffloadOptimizer(WindowControls, torch.optim.Optimizer):
                 self._pinned_bytes = d2h.nbytes + h2d.nbytes
                 self._pid = os.getpid()
                 note_versions(records)
-                self._state = StateMapping(records,
+                self._state = StateMapping(records, frozen=frozen,
                                            guard=lambda what: None if (w := ref()) is None else w._check_idle(what))
                 self._overlap = overlap
                 self._multi_rank = (torch.distributed.is_available() and torch.distributed.is_initialized()

@@ -50,7 +50,7 @@ import torch
 from cpu_offload._common.dtensor import as_dtensor_like, local_of
 from cpu_offload._full.host_state import ParamRecord, note_versions
 
-__all__ = ["SavedEntry", "StateEntry", "StateMapping", "HOST_STATE_KEPT", "for_device_placement", "host_value",
+__all__ = ["SavedEntry", "StateEntry", "NoState", "StateMapping", "HOST_STATE_KEPT", "for_device_placement", "host_value",
            "step_value"]
 
 # Param-group key of a state_dict that holds no state because the state stayed on the host.
@@ -213,17 +213,45 @@ class StateEntry:
         return f"StateEntry({self._rec.name}, step={self._rec.step}, keys={list(self._keys)})"
 
 
-class StateMapping(MutableMapping):
-    """``opt.state``: ``{param: StateEntry}`` for every trainable parameter, built once."""
+class NoState(Mapping):
+    """``opt.state[p]`` of a parameter frozen at wrap time: empty, as torch's ``{}`` for a
+    parameter it never stepped; it refuses state, which full offload would never step."""
 
-    def __init__(self, records, guard: Callable[[str], None]):
+    __slots__ = ()
+
+    def __getitem__(self, key):
+        raise KeyError(key)
+
+    def __iter__(self):
+        return iter(())
+
+    def __len__(self) -> int:
+        return 0
+
+    def __setitem__(self, key, value) -> None:
+        raise TypeError(f"opt.state[param][{key!r}]: this parameter was frozen (requires_grad=False) when the "
+                        f"optimizer was wrapped, so full offload keeps no state for it")
+
+    def __repr__(self) -> str:
+        return "NoState()"
+
+
+class StateMapping(MutableMapping):
+    """``opt.state``: ``{param: StateEntry}`` for every trainable parameter, built once; a
+    frozen parameter of the groups reads as an empty ``NoState``, outside the mapping."""
+
+    def __init__(self, records, guard: Callable[[str], None], frozen=()):
         self._entries = {rec.param: StateEntry(rec, guard) for rec in records}
+        self._frozen = set(frozen)  # NOTE: tensors hash by identity
 
     def __getitem__(self, param) -> StateEntry:
         try:
             return self._entries[param]
         except (KeyError, TypeError):
-            raise KeyError("opt.state: not a trainable parameter of this full-offload optimizer") from None
+            pass
+        if param in self._frozen:
+            return NoState()
+        raise KeyError("opt.state: not a parameter of this full-offload optimizer")
 
     def __setitem__(self, param, value) -> None:
         entry = self[param]

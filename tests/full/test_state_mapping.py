@@ -54,7 +54,7 @@ def test_state_entries_write_through_between_steps_and_refuse_inside_a_window():
             entry["exp_avg"] = torch.zeros(3)
         with pytest.raises(KeyError, match="keeps"):
             entry["momentum_buffer"] = torch.zeros(16, 8)
-        with pytest.raises(KeyError, match="not a trainable parameter"):
+        with pytest.raises(KeyError, match="not a parameter of this full-offload optimizer"):
             opt.state[nn.Parameter(torch.zeros(2))]
         model(torch.randn(3, 8).to(torch.bfloat16)).float().sum().backward()  # 1 of 2: accumulating
         with pytest.raises(RuntimeError, match="after step"):
@@ -62,5 +62,33 @@ def test_state_entries_write_through_between_steps_and_refuse_inside_a_window():
         opt.step()
         entry["exp_avg"] = m  # between steps again
         assert torch.equal(opt.state[w]["exp_avg"], m)
+    finally:
+        opt.close()
+
+
+def test_a_frozen_parameter_reads_as_no_state_like_torch():
+    """``opt.state[p]`` of a frozen parameter of the groups raised KeyError; torch's AdamW
+    gives an empty entry. Writing state to it is refused: full offload never steps it."""
+    torch.manual_seed(2)
+    model = nn.Sequential(nn.Linear(8, 16), nn.Linear(16, 4))
+    model[0].weight.requires_grad_(False)
+    frozen = model[0].weight
+    opt = _full(model.parameters())
+    try:
+        torch_opt = torch.optim.AdamW(model.parameters())
+        with torch.autocast("cpu", dtype=torch.bfloat16):  # the frozen weight stays fp32
+            model(torch.randn(3, 8)).float().sum().backward()
+        opt.step()
+        for state in (opt.state, torch_opt.state):
+            entry = state[frozen]
+            assert len(entry) == 0 and "exp_avg" not in entry and list(entry) == []
+            with pytest.raises(KeyError):
+                entry["step"]
+        assert frozen not in opt.state and len(opt.state) == 3
+        with pytest.raises(TypeError, match="frozen .* when the optimizer was wrapped"):
+            opt.state[frozen]["exp_avg"] = torch.zeros(16, 8)
+        with pytest.raises(TypeError, match="frozen .* when the optimizer was wrapped"):
+            opt.state[frozen] = {"exp_avg": torch.zeros(16, 8)}
+        assert len(opt.state_dict()["state"]) == 3
     finally:
         opt.close()
