@@ -17,14 +17,16 @@ import torch
 from cpu_offload._full.options import read_hparams
 from cpu_offload._full.state_mapping import HOST_STATE_KEPT, host_value, saved_entry, step_value
 
-__all__ = ["state_dict", "load_state_dict", "SPECULATION_KEY"]
+__all__ = ["state_dict", "load_state_dict", "SPECULATION_KEY", "LATE_HPARAMS_KEY"]
 
 # NOTE: the factor the next step speculates with (the last step's clipping coefficient and
-# late scale_grads_ factors) decides which bits a redo produces, so a resume is bit-identical
-# only with it. Saved in every param group (one value per optimizer): torch.distributed's
-# get_optimizer_state_dict keeps group keys but drops other top-level keys; never written
-# into the live groups.
+# late scale_grads_ factors), and whether the last step's hyper-parameters were set after its
+# last backward began (then the next step does not speculate), decide which bits a redo
+# produces, so a resume is bit-identical only with them. Saved in every param group (one
+# value per optimizer): torch.distributed's get_optimizer_state_dict keeps group keys but
+# drops other top-level keys; never written into the live groups.
 SPECULATION_KEY = "speculation_factor"
+LATE_HPARAMS_KEY = "late_hyperparameters"
 
 
 def state_dict(opt, *, host_state: bool = True) -> dict:
@@ -43,6 +45,7 @@ def state_dict(opt, *, host_state: bool = True) -> dict:
         packed = {k: v for k, v in group.items() if k != "params"}
         packed["params"] = list(range(index, index + len(group["params"])))
         packed[SPECULATION_KEY] = opt._validator.predicted
+        packed[LATE_HPARAMS_KEY] = opt._validator.predicted_late_hparams
         if not host_state:
             packed[HOST_STATE_KEPT] = True
         index += len(group["params"])
@@ -76,7 +79,8 @@ def _validate_groups(opt, saved_groups) -> None:
 
 def _group_options(saved: dict) -> dict:
     """The options of a saved group that load_state_dict writes into the live one."""
-    return {k: v for k, v in saved.items() if k not in ("params", "param_names", SPECULATION_KEY, HOST_STATE_KEPT)}
+    return {k: v for k, v in saved.items()
+            if k not in ("params", "param_names", SPECULATION_KEY, LATE_HPARAMS_KEY, HOST_STATE_KEPT)}
 
 
 def _validate(opt, sd: dict) -> list:
@@ -113,18 +117,26 @@ def _validate(opt, sd: dict) -> list:
     return plan
 
 
-def _speculation_factor(saved_groups) -> float:
-    """The saved factor (1: a checkpoint of a version without it, or of torch.optim.AdamW)."""
-    values = {g.get(SPECULATION_KEY, 1.0) for g in saved_groups}
+def _saved_once(saved_groups, key: str, default):
+    """The value every saved group holds for ``key`` (``default``: a checkpoint of a version
+    without it, or of torch.optim.AdamW); a 0-d tensor is read as its number."""
+    values = {g.get(key, default) for g in saved_groups}
     if len(values) != 1:
-        raise ValueError(f"state_dict param_groups disagree on '{SPECULATION_KEY}': {sorted(values)}")
+        raise ValueError(f"state_dict param_groups disagree on '{key}': {sorted(values)}")
     (value,) = values
-    if isinstance(value, torch.Tensor):
-        value = value.item()
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not (0 < value < float("inf")):
+    return value.item() if isinstance(value, torch.Tensor) else value
+
+
+def _speculation(saved_groups) -> tuple:
+    """The saved speculation factor and late-hyper-parameter flag, checked."""
+    factor = _saved_once(saved_groups, SPECULATION_KEY, 1.0)
+    if isinstance(factor, bool) or not isinstance(factor, (int, float)) or not (0 < factor < float("inf")):
         raise ValueError(f"state_dict param_groups[...]['{SPECULATION_KEY}'] must be a finite number > 0, "
-                         f"got {value!r}")
-    return float(value)
+                         f"got {factor!r}")
+    late = _saved_once(saved_groups, LATE_HPARAMS_KEY, False)
+    if not isinstance(late, bool):
+        raise ValueError(f"state_dict param_groups[...]['{LATE_HPARAMS_KEY}'] must be True or False, got {late!r}")
+    return float(factor), late
 
 
 def _load_groups(opt, saved_groups) -> None:
@@ -148,7 +160,7 @@ def load_state_dict(opt, sd: dict) -> None:
         _load_groups(opt, sd["param_groups"])  # the host state stayed where it is
         return
     plan = _validate(opt, sd)
-    factor = _speculation_factor(sd["param_groups"])
+    factor, late = _speculation(sd["param_groups"])
     with torch.no_grad():
         for rec, step, tensors in plan:
             rec.step = step
@@ -169,3 +181,4 @@ def load_state_dict(opt, sd: dict) -> None:
             local = rec.local()
             local.view(-1).copy_(rec.master.to(local.dtype))  # compute copy <- round(master)
     opt._validator.predicted = factor
+    opt._validator.predicted_late_hparams = late

@@ -589,11 +589,11 @@ class FullCPUOffloadOptimizer(WindowControls, torch.optim.Optimizer):
             warnings.warn("cpu_offload: gpu_state='auto' stopped moving state to the device: out of memory",
                           RuntimeWarning, stacklevel=_user_stacklevel())
 
-    def _step_device_state(self) -> None:
+    def _step_device_state(self, hparams: Optional[list] = None) -> None:
         """The window closes with its final factor: step the device records (none after a
-        skipped step)."""
+        skipped step) with ``hparams`` (None: those of the window's last backward)."""
         if not self._validator.skipped:
-            note_versions(self._device.step(self._pipeline.hparams, self._validator.scale))
+            note_versions(self._device.step(hparams or self._pipeline.hparams, self._validator.scale))
 
     def _close_window(self, *, abandoned: bool = False, landing: bool = False) -> None:
         if not landing:  # NOTE: the worker still counts the steps of a landing window
@@ -630,6 +630,9 @@ class FullCPUOffloadOptimizer(WindowControls, torch.optim.Optimizer):
             return loss
         self._pipeline.trace.mark("step_begin", at=t0)
         passes = self.grad_accum_steps if self._proto.phase is Phase.APPLIED else self._proto.micro
+        # NOTE: read as torch's step() reads them: values set since the last backward began
+        # make the step be redone with them (validation.py); a bad one raises before anything changes
+        current = self._read_hparams()
         if self._proto.phase is Phase.IDLE:
             # NOTE: after zero_grad(set_to_none=False) torch's step() steps every parameter
             # holding a gradient, here zeros, though no backward ran: a window of no passes.
@@ -641,21 +644,22 @@ class FullCPUOffloadOptimizer(WindowControls, torch.optim.Optimizer):
             # between, it aborted the window (the parameters not yet stepped lost the step)
             # and the step() made again found nothing to do.
             with deferred_interrupts():
-                self._pipeline.begin_backward(micro=self._proto.micro, final=True, hparams=self._read_hparams())
+                self._pipeline.begin_backward(micro=self._proto.micro, final=True, hparams=current)
                 self._proto.final = True
                 self._complete_window()
         # NOTE: a Ctrl-C during the rollback and redo is delivered once the step is complete
         # and the window closed, so the state is the one after this step.
         with deferred_interrupts():
-            self._finish_step(passes, t0, blocked_before)
+            self._finish_step(passes, t0, blocked_before, current)
         self._pipeline.trace.mark("step_end")
         return loss
 
-    def _finish_step(self, passes: int, t0: float, blocked_before: float) -> None:
+    def _finish_step(self, passes: int, t0: float, blocked_before: float, hparams: list) -> None:
         """``blocked_before``: the window's blocked time up to this step() call, whose own
-        time (its guarded work included) counts once, from ``t0``."""
-        self._guarded(self._validator.apply)
-        self._guarded(self._step_device_state)
+        time (its guarded work included) counts once, from ``t0``; ``hparams``: the groups'
+        hyper-parameters as step() read them."""
+        self._guarded(lambda: self._validator.apply(hparams))
+        self._guarded(lambda: self._step_device_state(hparams))
         self._transfer.set_compute_stream()
         landing = self._overlap and self._pipeline.in_flight
         if self._overlap and not landing:

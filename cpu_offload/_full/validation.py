@@ -18,7 +18,10 @@
 #     that does not clip keeps factor 1 and is never touched;
 #   - chunks the runner held back (the window deferred its step, see ``defers``, or their
 #     speculative g*g could overflow float32, which no rollback undoes): the stepped ones
-#     are rolled back and all are stepped with the final factor.
+#     are rolled back and all are stepped with the final factor;
+#   - hyper-parameters changed after the window's last backward began (a loop that sets
+#     the learning rate between backward and step(), as torch allows): step() rolls back
+#     and redoes the step with the values it reads, as torch's step() would use them.
 # The window's gradients stay available for this until it closes: the host
 # accumulators (grad_accum_steps > 1) or, without accumulation,
 # ``ParamRecord.retained``: the host copy the chunk runner keeps of each gradient
@@ -45,8 +48,10 @@ from cpu_offload._full.rollback import rollback_adamw_pieces_, rollback_sign_sgd
 __all__ = ["StepValidator"]
 
 _WARN_EVERY_S = 60.0
-# The hyper-parameters each rollback reads from a stepped piece's hparams.
-_ADAMW_HPARAMS = ("lr", "beta1", "beta2", "eps", "weight_decay", "grad_scale")
+# The hyper-parameters each rollback reads from a stepped piece's hparams; the first ones are
+# the group's options, which a user may set after the window's last backward began.
+_ADAMW_OPTIONS = ("lr", "beta1", "beta2", "eps", "weight_decay")
+_ADAMW_HPARAMS = _ADAMW_OPTIONS + ("grad_scale",)
 _SIGN_SGD_HPARAMS = ("lr", "weight_decay")
 
 
@@ -72,6 +77,8 @@ class StepValidator:
         self.skipped_steps = 0
         self._warned_at = -math.inf
         self.predicted = 1.0  # the factor the last window was given after its last backward
+        self.predicted_late_hparams = False  # the last window's hyper-parameters changed after its last backward
+        self._warned_late_hparams = False
         self.open_window()
 
     def open_window(self) -> None:
@@ -81,6 +88,7 @@ class StepValidator:
         self._norms: dict = {}  # norm_type -> norm of the window's unscaled gradients
         self.grad_norm: Optional[float] = None  # the last norm computed in this window (scaled)
         self.clip_coef: Optional[float] = None  # the last clipping coefficient of this window
+        self.late_hparams = False  # step() found hyper-parameters other than those of the last backward
 
     # ------------------------------------------------------------- norms
     def window_records(self) -> list:
@@ -133,6 +141,7 @@ class StepValidator:
         abandoned (zero_grad() before its last pass, a failure): then with the last one's."""
         if not abandoned:
             self.predicted = self.late
+            self.predicted_late_hparams = self.late_hparams
         self.open_window()
 
     def rescale(self, factor: float, *, late: bool) -> None:
@@ -147,9 +156,10 @@ class StepValidator:
         NOTE: a redo (rollback plus a second step) costs two passes over the state after
         backward; stepping once with the final factor costs one. A window is deferred when
         the last one ended with a factor other than 1 (it clipped, or was scaled after its
-        last backward): the factor will almost surely differ again, so speculating would
-        only add the rollback. A run that never clips speculates with factor 1 every step."""
-        return self.algorithm == "adamw" and self.predicted != 1.0
+        last backward), or with hyper-parameters set after its last backward began: they
+        will almost surely differ again, so speculating would only add the rollback. A run
+        that never clips speculates with factor 1 every step."""
+        return self.algorithm == "adamw" and (self.predicted != 1.0 or self.predicted_late_hparams)
 
     def speculative_scale(self) -> float:
         """The factor the window's last backward steps with."""
@@ -174,29 +184,59 @@ class StepValidator:
             self.clip(self.max_grad_norm, 2.0, late=True)
             self.apply()
 
-    def apply(self) -> None:
-        """Make the applied update match the window's factor (a rollback and a redo
-        when it changed, or when chunks were held back from the speculative step).
-        NOTE: SignSGD's update sign(c*g) = sign(g) for c > 0: never redone."""
-        if self.skipped or self.algorithm == "sign_sgd":
+    def apply(self, current: Optional[list] = None) -> None:
+        """Make the applied update match the window's factor and ``current`` (the groups'
+        hyper-parameters as step() reads them; None: those of the last backward): a
+        rollback and a redo when they changed, or when chunks were held back from the
+        speculative step.
+        NOTE: SignSGD's update sign(c*g) = sign(g) for c > 0: redone only for its lr or
+        weight decay."""
+        if self.skipped or not self.pipeline.hparams:
             return
-        hparams = self.pipeline.hparams or []
-        if self.pipeline.held_back or any(hp["grad_scale"] != self.scale for hp in hparams):
+        names = _ADAMW_HPARAMS if self.algorithm == "adamw" else _SIGN_SGD_HPARAMS
+        target = [dict(hp, grad_scale=self.scale) for hp in (current or self.pipeline.hparams)]
+
+        def differs(hp: dict, group: int) -> bool:
+            return any(hp[name] != target[group][name] for name in names)
+
+        change = self._late_change(current) if current is not None else None
+        if self.pipeline.held_back or any(differs(hp, g) for g, hp in enumerate(self.pipeline.hparams)):
             self._settle_chunks()  # the redo needs every speculative step done
         stepped = self.pipeline.stepped
         held_back = self.pipeline.held_back
-        if not held_back and (not stepped or all(piece.hparams["grad_scale"] == self.scale for piece in stepped)):
-            return
-        hparams = [dict(hp, grad_scale=self.scale) for hp in self.pipeline.hparams]
-        # NOTE: the rollback and the redo change every stepped parameter one after another;
-        # a Ctrl-C in between would leave some rolled back and others not.
-        with deferred_interrupts():
-            self._rollback(stepped)
-            # every host parameter staged for this step: stepped, held back or zero-filled
-            # (device ones are stepped once, when the window closes: device_state.py)
-            recs = [r for r in self.records if r.pieces_total > 0 and not r.on_device]
-            self.pipeline.restep(recs, hparams, grads_on_host=self.from_host)
-            note_versions(recs)
+        if held_back or any(differs(piece.hparams, piece.rec.group) for piece in stepped):
+            # NOTE: the rollback and the redo change every stepped parameter one after another;
+            # a Ctrl-C in between would leave some rolled back and others not.
+            with deferred_interrupts():
+                self._rollback(stepped)
+                # every host parameter staged for this step: stepped, held back or zero-filled
+                # (device ones are stepped once, when the window closes: device_state.py)
+                recs = [r for r in self.records if r.pieces_total > 0 and not r.on_device]
+                self.pipeline.restep(recs, target, grads_on_host=self.from_host)
+                note_versions(recs)
+        if change is not None and not self._warned_late_hparams:
+            self._warn_late(change)
+
+    def _late_change(self, current: list) -> Optional[tuple]:
+        """The first group option that differs in ``current`` from the window's last backward,
+        as ``(group, key, old, new)``, or None; noted for the next window (``defers``)."""
+        keys = _ADAMW_OPTIONS if self.algorithm == "adamw" else _SIGN_SGD_HPARAMS
+        change = next(((g, key, hp[key], current[g][key]) for g, hp in enumerate(self.pipeline.hparams)
+                       for key in keys if hp[key] != current[g][key]), None)
+        self.late_hparams = change is not None
+        return change
+
+    def _warn_late(self, change: tuple) -> None:
+        """Once per optimizer: what changed late, and what it costs."""
+        self._warned_late_hparams = True
+        g, key, old, new = change
+        warnings.warn(
+            f"cpu_offload: param_groups[{g}]['{key}'] changed from {old:g} to {new:g} after the window's last "
+            f"backward pass began; full offload steps during that backward, so step() redid the step with the "
+            f"new value, as torch would use it (a rollback and a second pass over the state; while it goes on, "
+            f"the steps wait for step() instead of overlapping backward). Set hyper-parameters before the "
+            f"window's last backward (before its forward) to keep the step overlapped",
+            RuntimeWarning, stacklevel=self._stacklevel())
 
     def _settle_chunks(self) -> None:
         """The window's chunks still in flight (overlap_forward) have run; a worker failure raises."""

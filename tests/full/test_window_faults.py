@@ -323,9 +323,9 @@ def test_step_blocked_time_counts_a_redo_once(monkeypatch):
     model, init, off, grads = make()
     real = step_validation.StepValidator.apply
 
-    def slow_apply(self):
+    def slow_apply(self, current=None):
         time.sleep(0.3)
-        real(self)
+        real(self, current)
 
     backward(model, 0)
     monkeypatch.setattr(step_validation.StepValidator, "apply", slow_apply)
