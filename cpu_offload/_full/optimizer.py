@@ -593,6 +593,9 @@ class FullCPUOffloadOptimizer(WindowControls, torch.optim.Optimizer):
         """The window closes with its final factor: step the device records (none after a
         skipped step) with ``hparams`` (None: those of the window's last backward)."""
         if not self._validator.skipped:
+            # NOTE: their weights are still those before the step, as in torch: an edit made
+            # since the last backward is what the step updates (else its compute copy was lost)
+            adopt_external_weights(self._device.records)
             note_versions(self._device.step(hparams or self._pipeline.hparams, self._validator.scale))
 
     def _close_window(self, *, abandoned: bool = False, landing: bool = False) -> None:

@@ -407,3 +407,31 @@ def test_auto_falls_back_to_the_smallest_rings_when_the_device_cannot_take_the_s
     with pytest.raises(MemoryError, match=f"needs {tight_cost} bytes there, but the device has room for "
                                           f"{tight_cost - 1} "):
         construct(4 * GIB + kept + tight_cost - 1)
+
+
+def test_a_weight_edited_between_the_last_backward_and_step_is_what_a_device_record_steps():
+    """A device record's weights are still those before the step until step() (host records'
+    are updated during backward). An edit made in between was overwritten by the device step's
+    compute copy, lost without a word; it is now the weight the step updates, as in torch."""
+    model, opt = build("adamw")
+    grads = capture(model)
+    off = FullCPUOffloadOptimizer(opt, gpu_state=EVERYTHING, **SMALL)
+    rec = named(model, off)["l1.weight"]
+    assert rec.on_device
+    train_step(model, off, 0, 1)
+    off.step()
+    off.zero_grad()
+    grads.clear()
+    train_step(model, off, 1, 1)
+    edited = torch.randn(rec.shape, generator=torch.Generator().manual_seed(7)).to(torch.bfloat16)
+    with torch.no_grad():
+        model.l1.weight.copy_(edited)
+    master, exp_avg, exp_avg_sq = edited.float().reshape(-1), rec.exp_avg.clone(), rec.exp_avg_sq.clone()
+    off.step()
+    group = off.param_groups[rec.group]
+    adamw_reference_(master, grads["l1.weight"][0].reshape(-1), exp_avg, exp_avg_sq, rec.step, lr=group["lr"],
+                     beta1=group["betas"][0], beta2=group["betas"][1], eps=group["eps"],
+                     weight_decay=group["weight_decay"])
+    assert torch.equal(rec.master, master) and torch.equal(rec.exp_avg_sq, exp_avg_sq)
+    assert torch.equal(model.l1.weight.detach().reshape(-1), master.to(torch.bfloat16))
+    off.close()
