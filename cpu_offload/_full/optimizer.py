@@ -595,7 +595,8 @@ class FullCPUOffloadOptimizer(WindowControls, torch.optim.Optimizer):
         if not self._validator.skipped:
             # NOTE: their weights are still those before the step, as in torch: an edit made
             # since the last backward is what the step updates (else its compute copy was lost)
-            adopt_external_weights(self._device.records)
+            if self._device.records:
+                adopt_external_weights(self._device.records)
             note_versions(self._device.step(hparams or self._pipeline.hparams, self._validator.scale))
 
     def _close_window(self, *, abandoned: bool = False, landing: bool = False) -> None:
