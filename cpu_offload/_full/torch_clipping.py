@@ -7,9 +7,13 @@
 # clip_grad_norm_: torch's arguments and result) when they are all of that optimizer's, and
 # raise a ValueError that says what to do otherwise (part of them, several optimizers, or
 # value clipping, which it cannot do); any other parameters go to torch's functions unchanged.
+# A clip_grad_norm_ imported before cpu_offload (``from torch.nn.utils import clip_grad_norm_``
+# above ``import cpu_offload``) stays torch's own, but it calls clip_grads_with_norm_ through
+# its module's globals, where the guard below stands: given a full-offload optimizer's
+# parameters it raises instead of clipping nothing.
 #
-# Scope: those two functions. Non-goals: get_total_norm and clip_grads_with_norm_, which take
-# gradients, not parameters, and so cannot tell whose they are.
+# Scope: clip_grad_norm_, clip_grad_value_, clip_grads_with_norm_. Non-goals: get_total_norm,
+# which takes gradients, not parameters, and so cannot tell whose they are.
 
 from __future__ import annotations
 
@@ -23,6 +27,7 @@ __all__ = ["install"]
 
 _torch_clip_grad_norm_ = torch.nn.utils.clip_grad.clip_grad_norm_
 _torch_clip_grad_value_ = torch.nn.utils.clip_grad.clip_grad_value_
+_torch_clip_grads_with_norm_ = torch.nn.utils.clip_grad._clip_grads_with_norm_
 
 
 def _as_list(parameters) -> list:
@@ -78,8 +83,23 @@ def clip_grad_value_(parameters, clip_value, foreach=None):
     return _torch_clip_grad_value_(params, clip_value, foreach)
 
 
+@functools.wraps(_torch_clip_grads_with_norm_, assigned=("__name__", "__qualname__", "__doc__"))
+def clip_grads_with_norm_(parameters, max_norm, total_norm, foreach=None):
+    params = _as_list(parameters)
+    if any(ownership.owner_of(p) is not None for p in params):
+        raise ValueError(
+            "torch.nn.utils.clip_grads_with_norm_ got a full-offload optimizer's parameters, whose gradients are on "
+            "the host: it would clip nothing. A torch.nn.utils.clip_grad_norm_ imported before cpu_offload calls "
+            "it too: import cpu_offload first (its clip_grad_norm_ clips through the optimizer), or call "
+            "opt.clip_grad_norm_(max_norm)")
+    return _torch_clip_grads_with_norm_(params, max_norm, total_norm, foreach)
+
+
 def install() -> None:
     """Put the functions above in place of torch's (idempotent)."""
     for module in (torch.nn.utils, torch.nn.utils.clip_grad):
         module.clip_grad_norm_ = clip_grad_norm_
         module.clip_grad_value_ = clip_grad_value_
+    torch.nn.utils.clip_grads_with_norm_ = clip_grads_with_norm_
+    # NOTE: the name torch's own clip_grad_norm_ looks up when it is called
+    torch.nn.utils.clip_grad._clip_grads_with_norm_ = clip_grads_with_norm_

@@ -177,6 +177,38 @@ def test_torch_clipping_refuses_what_it_cannot_clip_through_the_optimizer():
     off2.step()
 
 
+def test_torch_clipping_imported_before_cpu_offload_raises_instead_of_clipping_nothing():
+    """``from torch.nn.utils import clip_grad_norm_`` above ``import cpu_offload`` keeps torch's
+    own function, which saw no gradient: it returned 0 and clipped nothing, without a word.
+    It now raises, as does torch.nn.utils.clip_grads_with_norm_; other parameters clip as in torch."""
+    from cpu_offload._full.torch_clipping import _torch_clip_grad_norm_ as imported_before
+
+    assert imported_before is not torch.nn.utils.clip_grad_norm_  # torch's own, as such a script holds it
+    model, opt = build("adamw")
+    off = FullCPUOffloadOptimizer(opt, **SMALL)
+    model(torch.randn(4, 24).to(torch.bfloat16)).float().pow(2).mean().backward()
+    for clip in (lambda: imported_before(model.parameters(), 1e-3),
+                 lambda: torch.nn.utils.clip_grads_with_norm_(model.parameters(), 1e-3, torch.tensor(5.0))):
+        with pytest.raises(ValueError, match="import cpu_offload first"):
+            clip()
+    off.step()
+    assert off.stats()["clip_coef"] is None  # nothing was clipped
+    off.close()
+    torch.manual_seed(3)
+    grads = [torch.randn(5) * 3, torch.randn(2, 3)]
+    total = torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(g) for g in grads]))
+    for clip, norm in ((lambda ps: imported_before(ps, 1.0), total),
+                       (lambda ps: torch.nn.utils.clip_grads_with_norm_(ps, 1.0, torch.tensor(7.0)), 7.0)):
+        params = [torch.nn.Parameter(torch.zeros_like(g)) for g in grads]
+        for p, g in zip(params, grads):
+            p.grad = g.clone()
+        clip(params)
+        coef = torch.clamp(1.0 / (torch.as_tensor(norm) + 1e-6), max=1.0)
+        assert coef < 1.0
+        for p, g in zip(params, grads):
+            assert torch.allclose(p.grad, g * coef, rtol=1e-6, atol=0)
+
+
 def test_sign_sgd_clipping_returns_torch_norm_and_changes_no_update():
     model, off, init, history, norms = train("sign_sgd", 1, 6, clip=0.5)
     _, _, ref_norms = torch_replay("sign_sgd", init, history, 0.5)
