@@ -182,7 +182,8 @@ class StepValidator:
             return
         if self.max_grad_norm is not None:
             self.clip(self.max_grad_norm, 2.0, late=True)
-            self.apply()
+            if not self.predicted_late_hparams:  # NOTE: else step() steps it once, with the values it reads
+                self.apply()
 
     def apply(self, current: Optional[list] = None) -> None:
         """Make the applied update match the window's factor and ``current`` (the groups'

@@ -55,8 +55,9 @@ def run(kind, *, late, steps=6, k=1, on_change=None, overlap=False, **opts):
                                                ("sign", torch.float32)])
 @pytest.mark.parametrize("k, grad_copy, overlap", [(1, "host", False), (1, "device", False), (2, "device", False),
                                                  (1, "device", True)])
-def test_values_set_after_backward_apply_to_that_step(kind, k, grad_copy, overlap, state_dtype):
-    opts = dict(k=k, grad_copy=grad_copy, state_dtype=state_dtype, overlap=overlap)
+@pytest.mark.parametrize("max_grad_norm", [None, 0.05], ids=["no_clip", "clip"])
+def test_values_set_after_backward_apply_to_that_step(kind, k, grad_copy, overlap, state_dtype, max_grad_norm):
+    opts = dict(k=k, grad_copy=grad_copy, state_dtype=state_dtype, overlap=overlap, max_grad_norm=max_grad_norm)
     _, early, none = run(kind, late=False, **opts)
     _, late, warned = run(kind, late=True, **opts)
     assert none == [] and len(warned) == 1  # the first time only
@@ -75,16 +76,19 @@ def test_values_set_after_backward_apply_to_that_step(kind, k, grad_copy, overla
     late.close()
 
 
+@pytest.mark.parametrize("max_grad_norm", [None, 0.05], ids=["no_clip", "clip"])
 @pytest.mark.parametrize("k", [1, 2])
-def test_after_a_late_change_each_step_runs_once_with_the_values_step_reads(k, monkeypatch):
-    """Bit for bit the kernel on the state before the step, with the values set after backward."""
+def test_after_a_late_change_each_step_runs_once_with_the_values_step_reads(k, max_grad_norm, monkeypatch):
+    """Bit for bit the kernel on the state before the step, with the values set after backward
+    (and max_grad_norm's coefficient: the end of backward leaves the step to step())."""
     rollbacks = []
     real = validation.rollback_adamw_pieces_
     monkeypatch.setattr(validation, "rollback_adamw_pieces_",
                         lambda *a, **kw: (rollbacks.append(len(a[0])), real(*a, **kw))[1])
     model, opt = build("adamw")
     grads = capture(model)  # registered first: runs before the offload hook
-    off = FullCPUOffloadOptimizer(opt, grad_accum_steps=k, **SMALL)
+    off = FullCPUOffloadOptimizer(opt, grad_accum_steps=k, max_grad_norm=max_grad_norm, **SMALL)
+    clipped = []
     for s in range(5):
         before = snapshot(off)
         grads.clear()
@@ -99,6 +103,8 @@ def test_after_a_late_change_each_step_runs_once_with_the_values_step_reads(k, m
             off.zero_grad()
             continue
         assert rollbacks == [], s
+        coef = off.stats()["clip_coef"] or 1.0
+        clipped.append(coef < 1.0)
         for name, rec in named(model, off).items():
             master, exp_avg, exp_avg_sq, step = (t.clone() if torch.is_tensor(t) else t for t in before[rec.name])
             if name not in grads:
@@ -107,11 +113,13 @@ def test_after_a_late_change_each_step_runs_once_with_the_values_step_reads(k, m
             group = off.param_groups[rec.group]
             grad = sum(grads[name][1:], grads[name][0].clone()).reshape(-1)  # fp32 sum in arrival order
             adamw_reference_(master, grad, exp_avg, exp_avg_sq, step + 1, lr=group["lr"], beta1=group["betas"][0],
-                             beta2=group["betas"][1], eps=group["eps"], weight_decay=group["weight_decay"])
+                             beta2=group["betas"][1], eps=group["eps"], weight_decay=group["weight_decay"],
+                             grad_scale=coef)
             assert rec.step == step + 1, (s, name)
             assert torch.equal(rec.master, master) and torch.equal(rec.exp_avg, exp_avg), (s, name)
             assert torch.equal(rec.exp_avg_sq, exp_avg_sq), (s, name)
         off.zero_grad()
+    assert any(clipped) == (max_grad_norm is not None)
     off.close()
 
 
