@@ -497,6 +497,27 @@ def train_step(model, off, s, k, *, loss_factor=1.0):
         (model(x.to(torch.bfloat16), use_extra=extra).float().pow(2).mean() * loss_factor).backward()
 
 
+def check_stepped_once(model, off, before, grads, coef, where) -> None:
+    """Each parameter of ``model`` equals ``reference.py``'s AdamW on its state in ``before``
+    (``snapshot``) with the window's ``grads`` (``capture``), the groups' current values and
+    ``coef``, bit for bit; one without a gradient is unchanged."""
+    from cpu_offload.reference import adamw_reference_
+
+    for name, rec in named(model, off).items():
+        master, exp_avg, exp_avg_sq, step = (t.clone() if torch.is_tensor(t) else t for t in before[rec.name])
+        if name not in grads:
+            assert torch.equal(rec.master, master) and rec.step == step, (where, name)
+            continue
+        group = off.param_groups[rec.group]
+        grad = sum(grads[name][1:], grads[name][0].clone()).reshape(-1)  # fp32 sum in arrival order
+        adamw_reference_(master, grad, exp_avg, exp_avg_sq, step + 1, lr=group["lr"], beta1=group["betas"][0],
+                         beta2=group["betas"][1], eps=group["eps"], weight_decay=group["weight_decay"],
+                         grad_scale=coef)
+        assert rec.step == step + 1, (where, name)
+        assert torch.equal(rec.master, master) and torch.equal(rec.exp_avg, exp_avg), (where, name)
+        assert torch.equal(rec.exp_avg_sq, exp_avg_sq), (where, name)
+
+
 def check_unchanged(off, before, weights):
     for r in records_of(off):
         m, ea, eas, st = before[r.name]

@@ -11,10 +11,9 @@ import torch
 
 from cpu_offload._full import validation
 from cpu_offload._full.optimizer import FullCPUOffloadOptimizer
-from cpu_offload.reference import adamw_reference_
-from helpers import (LOSS_SCALES, SMALL, STEPS, batches, build, capture, check_unchanged, fp32_reference,
-                     host_bytes_of, named, normwise, records_of, snapshot, train, train_step, watch_rollbacks,
-                     window_records_of)
+from helpers import (LOSS_SCALES, SMALL, STEPS, batches, build, capture, check_stepped_once, check_unchanged,
+                     fp32_reference, host_bytes_of, normwise, records_of, snapshot, train, train_step,
+                     watch_rollbacks, window_records_of)
 
 # Norms up to 50x max_norm, changing 10-40x from step to step: the speculative step's
 # factor (the last step's coefficient) is far from the final one.
@@ -84,19 +83,7 @@ def test_after_a_clipped_step_each_step_runs_once_with_its_final_coefficient(k, 
             off.zero_grad()
             continue
         assert rollbacks == [], s
-        for name, rec in named(model, off).items():
-            master, exp_avg, exp_avg_sq, step = (t.clone() if torch.is_tensor(t) else t for t in before[rec.name])
-            if name not in grads:
-                assert torch.equal(rec.master, master) and rec.step == step, (s, name)
-                continue
-            group = off.param_groups[rec.group]
-            grad = sum(grads[name][1:], grads[name][0].clone()).reshape(-1)  # fp32 sum in arrival order
-            adamw_reference_(master, grad, exp_avg, exp_avg_sq, step + 1, lr=group["lr"], beta1=group["betas"][0],
-                             beta2=group["betas"][1], eps=group["eps"], weight_decay=group["weight_decay"],
-                             grad_scale=coef)
-            assert rec.step == step + 1, (s, name)
-            assert torch.equal(rec.master, master) and torch.equal(rec.exp_avg, exp_avg), (s, name)
-            assert torch.equal(rec.exp_avg_sq, exp_avg_sq), (s, name)
+        check_stepped_once(model, off, before, grads, coef, s)
         off.zero_grad()
 
 

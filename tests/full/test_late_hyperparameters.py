@@ -10,8 +10,8 @@ import torch
 
 from cpu_offload._full import validation
 from cpu_offload._full.optimizer import FullCPUOffloadOptimizer
-from cpu_offload.reference import adamw_reference_
-from helpers import SMALL, build, capture, named, normwise, records_of, sigint_at_line, snapshot, train_step
+from helpers import (SMALL, build, capture, check_stepped_once, normwise, records_of, sigint_at_line, snapshot,
+                     train_step)
 
 
 def schedule(s: int, kind: str) -> dict:
@@ -105,19 +105,7 @@ def test_after_a_late_change_each_step_runs_once_with_the_values_step_reads(k, m
         assert rollbacks == [], s
         coef = off.stats()["clip_coef"] or 1.0
         clipped.append(coef < 1.0)
-        for name, rec in named(model, off).items():
-            master, exp_avg, exp_avg_sq, step = (t.clone() if torch.is_tensor(t) else t for t in before[rec.name])
-            if name not in grads:
-                assert torch.equal(rec.master, master) and rec.step == step, (s, name)
-                continue
-            group = off.param_groups[rec.group]
-            grad = sum(grads[name][1:], grads[name][0].clone()).reshape(-1)  # fp32 sum in arrival order
-            adamw_reference_(master, grad, exp_avg, exp_avg_sq, step + 1, lr=group["lr"], beta1=group["betas"][0],
-                             beta2=group["betas"][1], eps=group["eps"], weight_decay=group["weight_decay"],
-                             grad_scale=coef)
-            assert rec.step == step + 1, (s, name)
-            assert torch.equal(rec.master, master) and torch.equal(rec.exp_avg, exp_avg), (s, name)
-            assert torch.equal(rec.exp_avg_sq, exp_avg_sq), (s, name)
+        check_stepped_once(model, off, before, grads, coef, s)
         off.zero_grad()
     assert any(clipped) == (max_grad_norm is not None)
     off.close()
