@@ -417,6 +417,17 @@ def window_records_of(off) -> list:
     return off._validator.window_records()
 
 
+def count_rollbacks(monkeypatch) -> list:
+    """A list that gets the piece count of every AdamW rollback (validation.py) from now on."""
+    from cpu_offload._full import validation
+
+    rollbacks = []
+    real = validation.rollback_adamw_pieces_
+    monkeypatch.setattr(validation, "rollback_adamw_pieces_",
+                        lambda *a, **kw: (rollbacks.append(len(a[0])), real(*a, **kw))[1])
+    return rollbacks
+
+
 def watch_rollbacks(off, seen) -> None:
     """Call ``seen(stepped pieces)`` before each rollback of ``off``'s validator."""
     real = off._validator._rollback

@@ -9,10 +9,9 @@ import warnings
 import pytest
 import torch
 
-from cpu_offload._full import validation
 from cpu_offload._full.optimizer import FullCPUOffloadOptimizer
 from helpers import (LOSS_SCALES, SMALL, STEPS, batches, build, capture, check_stepped_once, check_unchanged,
-                     fp32_reference, host_bytes_of, normwise, records_of, snapshot, train, train_step,
+                     count_rollbacks, fp32_reference, host_bytes_of, normwise, records_of, snapshot, train, train_step,
                      watch_rollbacks, window_records_of)
 
 # Norms up to 50x max_norm, changing 10-40x from step to step: the speculative step's
@@ -62,10 +61,7 @@ def test_after_a_clipped_step_each_step_runs_once_with_its_final_coefficient(k, 
     """Once a step clipped, the next windows are not stepped speculatively (a redo costs a
     rollback and a second step): each is stepped once with its own coefficient, without a
     rollback, and equals the reference on the state before it bit for bit."""
-    rollbacks = []
-    real = validation.rollback_adamw_pieces_
-    monkeypatch.setattr(validation, "rollback_adamw_pieces_",
-                        lambda *a, **kw: (rollbacks.append(len(a[0])), real(*a, **kw))[1])
+    rollbacks = count_rollbacks(monkeypatch)
     model, opt = build("adamw")
     grads = capture(model)  # registered first: runs before the offload hook
     off = FullCPUOffloadOptimizer(opt, grad_accum_steps=k, grad_copy=grad_copy, **SMALL)

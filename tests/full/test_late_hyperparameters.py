@@ -8,10 +8,9 @@ import warnings
 import pytest
 import torch
 
-from cpu_offload._full import validation
 from cpu_offload._full.optimizer import FullCPUOffloadOptimizer
-from helpers import (SMALL, build, capture, check_stepped_once, normwise, records_of, sigint_at_line, snapshot,
-                     train_step)
+from helpers import (SMALL, build, capture, check_stepped_once, count_rollbacks, normwise, records_of, sigint_at_line,
+                     snapshot, train_step)
 
 
 def schedule(s: int, kind: str) -> dict:
@@ -81,10 +80,7 @@ def test_values_set_after_backward_apply_to_that_step(kind, k, grad_copy, overla
 def test_after_a_late_change_each_step_runs_once_with_the_values_step_reads(k, max_grad_norm, monkeypatch):
     """Bit for bit the kernel on the state before the step, with the values set after backward
     (and max_grad_norm's coefficient: the end of backward leaves the step to step())."""
-    rollbacks = []
-    real = validation.rollback_adamw_pieces_
-    monkeypatch.setattr(validation, "rollback_adamw_pieces_",
-                        lambda *a, **kw: (rollbacks.append(len(a[0])), real(*a, **kw))[1])
+    rollbacks = count_rollbacks(monkeypatch)
     model, opt = build("adamw")
     grads = capture(model)  # registered first: runs before the offload hook
     off = FullCPUOffloadOptimizer(opt, grad_accum_steps=k, max_grad_norm=max_grad_norm, **SMALL)
@@ -112,10 +108,7 @@ def test_after_a_late_change_each_step_runs_once_with_the_values_step_reads(k, m
 
 
 def test_values_unchanged_after_backward_are_never_redone(monkeypatch):
-    rollbacks = []
-    real = validation.rollback_adamw_pieces_
-    monkeypatch.setattr(validation, "rollback_adamw_pieces_",
-                        lambda *a, **kw: (rollbacks.append(len(a[0])), real(*a, **kw))[1])
+    rollbacks = count_rollbacks(monkeypatch)
     _, off, warned = run("adamw", late=False, steps=4)
     assert rollbacks == [] and warned == [] and not off._validator.defers()
     off.close()
