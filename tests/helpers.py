@@ -418,13 +418,14 @@ def window_records_of(off) -> list:
 
 
 def count_rollbacks(monkeypatch) -> list:
-    """A list that gets the piece count of every AdamW rollback (validation.py) from now on."""
+    """A list that gets the piece count of every rollback (validation.py, AdamW or SignSGD) from now on."""
     from cpu_offload._full import validation
 
     rollbacks = []
-    real = validation.rollback_adamw_pieces_
-    monkeypatch.setattr(validation, "rollback_adamw_pieces_",
-                        lambda *a, **kw: (rollbacks.append(len(a[0])), real(*a, **kw))[1])
+    for name in ("rollback_adamw_pieces_", "rollback_sign_sgd_pieces_"):
+        real = getattr(validation, name)
+        monkeypatch.setattr(validation, name,
+                            lambda *a, real=real, **kw: (rollbacks.append(len(a[0])), real(*a, **kw))[1])
     return rollbacks
 
 
@@ -500,7 +501,10 @@ def fp32_reference(kind, init):
     return params, type(opt)(groups, lr=groups[0]["lr"])
 
 def snapshot(off):
-    return {r.name: (r.master.clone(), r.exp_avg.clone(), r.exp_avg_sq.clone(), r.step) for r in records_of(off)}
+    def copy(t):  # SignSGD keeps no moments
+        return None if t is None else t.clone()
+
+    return {r.name: (r.master.clone(), copy(r.exp_avg), copy(r.exp_avg_sq), r.step) for r in records_of(off)}
 
 
 def train_step(model, off, s, k, *, loss_factor=1.0):
@@ -509,10 +513,10 @@ def train_step(model, off, s, k, *, loss_factor=1.0):
 
 
 def check_stepped_once(model, off, before, grads, coef, where) -> None:
-    """Each parameter of ``model`` equals ``reference.py``'s AdamW on its state in ``before``
-    (``snapshot``) with the window's ``grads`` (``capture``), the groups' current values and
-    ``coef``, bit for bit; one without a gradient is unchanged."""
-    from cpu_offload.reference import adamw_reference_
+    """Each parameter of ``model`` equals ``reference.py``'s AdamW (SignSGD) on its state in
+    ``before`` (``snapshot``) with the window's ``grads`` (``capture``), the groups' current
+    values and ``coef``, bit for bit; one without a gradient is unchanged."""
+    from cpu_offload.reference import adamw_reference_, sign_sgd_reference_
 
     for name, rec in named(model, off).items():
         master, exp_avg, exp_avg_sq, step = (t.clone() if torch.is_tensor(t) else t for t in before[rec.name])
@@ -521,12 +525,15 @@ def check_stepped_once(model, off, before, grads, coef, where) -> None:
             continue
         group = off.param_groups[rec.group]
         grad = sum(grads[name][1:], grads[name][0].clone()).reshape(-1)  # fp32 sum in arrival order
-        adamw_reference_(master, grad, exp_avg, exp_avg_sq, step + 1, lr=group["lr"], beta1=group["betas"][0],
-                         beta2=group["betas"][1], eps=group["eps"], weight_decay=group["weight_decay"],
-                         grad_scale=coef)
-        assert rec.step == step + 1, (where, name)
-        assert torch.equal(rec.master, master) and torch.equal(rec.exp_avg, exp_avg), (where, name)
-        assert torch.equal(rec.exp_avg_sq, exp_avg_sq), (where, name)
+        if "betas" not in group:  # SignSGD: sign(coef * g) = sign(g)
+            sign_sgd_reference_(master, grad, lr=group["lr"], weight_decay=group["weight_decay"])
+        else:
+            adamw_reference_(master, grad, exp_avg, exp_avg_sq, step + 1, lr=group["lr"], beta1=group["betas"][0],
+                             beta2=group["betas"][1], eps=group["eps"], weight_decay=group["weight_decay"],
+                             grad_scale=coef)
+        assert rec.step == step + 1 and torch.equal(rec.master, master), (where, name)
+        for moment, expected in ((rec.exp_avg, exp_avg), (rec.exp_avg_sq, exp_avg_sq)):
+            assert moment is expected is None or torch.equal(moment, expected), (where, name)
 
 
 def check_unchanged(off, before, weights):

@@ -246,9 +246,9 @@ class ChunkRunner:
         return dsts, srcs
 
     def _hold_back(self, chunk) -> bool:
-        """Whether this chunk (and the window's later ones) waits for the final factor:
-        the window defers its step (validation.py says when), or its speculative step
-        could overflow.
+        """Whether this chunk (and the window's later ones) waits for step(): the window
+        defers its step (validation.py says when), or its speculative AdamW step could
+        overflow.
 
         NOTE: the speculative step squares each gradient times its factor in float32; once
         (factor*|g|)**2 could overflow, v becomes Inf and no rollback recovers the old v
@@ -256,7 +256,7 @@ class ChunkRunner:
         step finite, as in torch. Such chunks are not stepped; validation redoes them
         with the final factor. |g_i| <= the 2-norm of the piece's parameter (or accumulator
         so far), so the test is conservative."""
-        if not (chunk.speculative and self.algorithm == "adamw"):
+        if not chunk.speculative:
             return False
         if chunk.deferred:
             self.held_back = True

@@ -150,16 +150,17 @@ class StepValidator:
             self.late *= factor
 
     def defers(self) -> bool:
-        """Whether the window's last backward holds its AdamW chunks back until the factor
-        is final, instead of stepping them speculatively.
+        """Whether the window's last backward holds its chunks back until step(), instead of
+        stepping them speculatively.
 
         NOTE: a redo (rollback plus a second step) costs two passes over the state after
-        backward; stepping once with the final factor costs one. A window is deferred when
-        the last one ended with a factor other than 1 (it clipped, or was scaled after its
-        last backward), or with hyper-parameters set after its last backward began: they
-        will almost surely differ again, so speculating would only add the rollback. A run
-        that never clips speculates with factor 1 every step."""
-        return self.algorithm == "adamw" and (self.predicted != 1.0 or self.predicted_late_hparams)
+        backward; stepping once with the final values costs one. A window is deferred when
+        the last one ended with hyper-parameters set after its last backward began (they
+        will almost surely differ again, so speculating would only add the rollback) or,
+        with AdamW, with a factor other than 1 (it clipped, or was scaled after its last
+        backward; SignSGD's update does not depend on the factor). A run that never clips
+        speculates with factor 1 every step."""
+        return self.predicted_late_hparams or (self.algorithm == "adamw" and self.predicted != 1.0)
 
     def speculative_scale(self) -> float:
         """The factor the window's last backward steps with."""

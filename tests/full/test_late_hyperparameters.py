@@ -77,11 +77,12 @@ def test_values_set_after_backward_apply_to_that_step(kind, k, grad_copy, overla
 
 @pytest.mark.parametrize("max_grad_norm", [None, 0.05], ids=["no_clip", "clip"])
 @pytest.mark.parametrize("k", [1, 2])
-def test_after_a_late_change_each_step_runs_once_with_the_values_step_reads(k, max_grad_norm, monkeypatch):
+@pytest.mark.parametrize("kind", ["adamw", "sign"])
+def test_after_a_late_change_each_step_runs_once_with_the_values_step_reads(kind, k, max_grad_norm, monkeypatch):
     """Bit for bit the kernel on the state before the step, with the values set after backward
     (and max_grad_norm's coefficient: the end of backward leaves the step to step())."""
     rollbacks = count_rollbacks(monkeypatch)
-    model, opt = build("adamw")
+    model, opt = build(kind)
     grads = capture(model)  # registered first: runs before the offload hook
     off = FullCPUOffloadOptimizer(opt, grad_accum_steps=k, max_grad_norm=max_grad_norm, **SMALL)
     clipped = []
@@ -90,7 +91,7 @@ def test_after_a_late_change_each_step_runs_once_with_the_values_step_reads(k, m
         grads.clear()
         rollbacks.clear()
         train_step(model, off, s, k)
-        set_groups(off, s + 1, "adamw")
+        set_groups(off, s + 1, kind)
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
             off.step()
