@@ -205,16 +205,17 @@ def test_a_checkpoint_with_a_bad_late_flag_changes_nothing_and_one_without_it_lo
     off.close()
 
 
-@pytest.mark.parametrize("opts", [{}, {"gpu_state": 3100 * 12}], ids=["host", "half_on_the_device"])
-def test_a_ctrl_c_at_any_line_of_a_late_change_step_then_step_again_is_exact(sigint_raises, opts):
+@pytest.mark.parametrize("kind, opts", [("adamw", {}), ("adamw", {"gpu_state": 3100 * 12}), ("sign", {})],
+                         ids=["host", "half_on_the_device", "sign_sgd"])
+def test_a_ctrl_c_at_any_line_of_a_late_change_step_then_step_again_is_exact(sigint_raises, kind, opts):
     """A Ctrl-C lands before the redo begins (step() called again takes the step whole) or once
     it is complete: the run goes on bit for bit as without it."""
     def until_late(steps):
-        model, opt = build("adamw")
+        model, opt = build(kind)
         off = FullCPUOffloadOptimizer(opt, **SMALL, **opts)
         for s in range(steps):
             train_step(model, off, s, 1)
-            set_groups(off, s + 1, "adamw")  # every step late: the first is redone, the rest wait for step()
+            set_groups(off, s + 1, kind)  # every step late: the first is redone, the rest wait for step()
             if s < steps - 1:
                 off.step()
                 off.zero_grad()
