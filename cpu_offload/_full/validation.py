@@ -234,7 +234,7 @@ class StepValidator:
         g, key, old, new = change
         warnings.warn(
             f"cpu_offload: param_groups[{g}]['{key}'] changed from {old:g} to {new:g} after the window's last "
-            f"backward pass began; full offload steps during that backward, so step() rolled back what it stepped "
+            f"backward pass began; full offload steps during that backward, so step() rolled back what that backward stepped "
             f"and stepped again with the new value, as torch would use it (a second pass over the state; while it goes on, "
             f"the steps wait for step() instead of overlapping backward). Set hyper-parameters before the "
             f"window's last backward (before its forward) to keep the step overlapped",
