@@ -9,8 +9,8 @@ import pytest
 import torch
 
 from cpu_offload._full.optimizer import FullCPUOffloadOptimizer
-from helpers import (SMALL, build, capture, check_stepped_once, count_rollbacks, normwise, records_of, sigint_at_line,
-                     snapshot, train_step)
+from helpers import (SMALL, assert_same_state, build, capture, check_stepped_once, count_rollbacks, normwise, records_of,
+                     sigint_at_line, snapshot, train_step)
 
 
 def schedule(s: int, kind: str) -> dict:
@@ -121,9 +121,7 @@ def test_device_state_steps_with_the_values_step_reads(kind):
     _, early, _ = run(kind, late=False, gpu_state=1 << 40)
     _, late, _ = run(kind, late=True, gpu_state=1 << 40)
     assert all(r.on_device for r in records_of(late))
-    for a, b in zip(records_of(late), records_of(early)):
-        assert torch.equal(a.master, b.master), a.name
-        assert a.exp_avg_sq is b.exp_avg_sq is None or torch.equal(a.exp_avg_sq, b.exp_avg_sq), a.name
+    assert_same_state(snapshot(late), snapshot(early))
     early.close()
     late.close()
 
@@ -173,11 +171,7 @@ def test_resume_after_late_changes_is_bit_identical(kind, state_dtype):
     resumed = FullCPUOffloadOptimizer(opt, **SMALL, state_dtype=state_dtype)
     resumed.load_state_dict(ck["optim"])
     steps(model, resumed, range(3, 6))
-    for a, b in zip(records_of(resumed), records_of(straight)):
-        assert a.step == b.step, a.name
-        for key in ("master", "exp_avg", "exp_avg_sq"):
-            x, y = getattr(a, key), getattr(b, key)
-            assert x is y is None or torch.equal(x, y), (a.name, key)
+    assert_same_state(snapshot(resumed), snapshot(straight))
     straight.close()
     resumed.close()
 
