@@ -7,10 +7,10 @@
 # clip_grad_norm_: torch's arguments and result) when they are all of that optimizer's, and
 # raise a ValueError that says what to do otherwise (part of them, several optimizers, or
 # value clipping, which it cannot do); any other parameters go to torch's functions unchanged.
-# A clip_grad_norm_ imported before cpu_offload (``from torch.nn.utils import clip_grad_norm_``
-# above ``import cpu_offload``) stays torch's own, but it calls clip_grads_with_norm_ through
-# its module's globals, where the guard below stands: given a full-offload optimizer's
-# parameters it raises instead of clipping nothing.
+# A function imported before cpu_offload (``from torch.nn.utils import clip_grad_value_``
+# above ``import cpu_offload``) is torch's own object, which the module attributes no longer
+# reach: ``install()`` points the wrapper torch put around each of them at the function here
+# too, so every reference behaves the same.
 #
 # Scope: clip_grad_norm_, clip_grad_value_, clip_grads_with_norm_. Non-goals: get_total_norm,
 # which takes gradients, not parameters, and so cannot tell whose they are.
@@ -25,9 +25,21 @@ from cpu_offload._full import ownership
 
 __all__ = ["install"]
 
-_torch_clip_grad_norm_ = torch.nn.utils.clip_grad.clip_grad_norm_
-_torch_clip_grad_value_ = torch.nn.utils.clip_grad.clip_grad_value_
-_torch_clip_grads_with_norm_ = torch.nn.utils.clip_grad._clip_grads_with_norm_
+
+def _unwrapped(fn):
+    """torch's function under the ``@_no_grad`` wrapper of torch/nn/utils/clip_grad.py, and the
+    wrapper's closure cell that holds it (``(fn, None)`` where torch wraps it otherwise)."""
+    code = getattr(fn, "__code__", None)
+    if code is None or code.co_freevars != ("func",) or not fn.__closure__:
+        return fn, None
+    cell = fn.__closure__[0]
+    return cell.cell_contents, cell
+
+
+_clip_grad = torch.nn.utils.clip_grad
+_torch_clip_grad_norm_, _clip_grad_norm_cell = _unwrapped(_clip_grad.clip_grad_norm_)
+_torch_clip_grad_value_, _clip_grad_value_cell = _unwrapped(_clip_grad.clip_grad_value_)
+_torch_clip_grads_with_norm_, _clip_grads_with_norm_cell = _unwrapped(_clip_grad._clip_grads_with_norm_)
 
 
 def _as_list(parameters) -> list:
@@ -69,7 +81,8 @@ def clip_grad_norm_(parameters, max_norm, norm_type=2.0, error_if_nonfinite=Fals
     params = _as_list(parameters)
     owner = _owner_of_all(params, "clip_grad_norm_")
     if owner is None:
-        return _torch_clip_grad_norm_(params, max_norm, norm_type, error_if_nonfinite, foreach)
+        with torch.no_grad():
+            return _torch_clip_grad_norm_(params, max_norm, norm_type, error_if_nonfinite, foreach)
     return owner.clip_grad_norm_(max_norm, norm_type, error_if_nonfinite)
 
 
@@ -80,7 +93,8 @@ def clip_grad_value_(parameters, clip_value, foreach=None):
         raise ValueError("torch.nn.utils.clip_grad_value_: a full-offload optimizer's gradients are on the host "
                          "and cannot be clipped by value; clip by norm (torch.nn.utils.clip_grad_norm_, or "
                          "max_grad_norm= on offload_optimizer)")
-    return _torch_clip_grad_value_(params, clip_value, foreach)
+    with torch.no_grad():
+        return _torch_clip_grad_value_(params, clip_value, foreach)
 
 
 @functools.wraps(_torch_clip_grads_with_norm_, assigned=("__name__", "__qualname__", "__doc__"))
@@ -89,10 +103,10 @@ def clip_grads_with_norm_(parameters, max_norm, total_norm, foreach=None):
     if any(ownership.owner_of(p) is not None for p in params):
         raise ValueError(
             "torch.nn.utils.clip_grads_with_norm_ got a full-offload optimizer's parameters, whose gradients are on "
-            "the host: it would clip nothing. A torch.nn.utils.clip_grad_norm_ imported before cpu_offload calls "
-            "it too: import cpu_offload first (its clip_grad_norm_ clips through the optimizer), or call "
-            "opt.clip_grad_norm_(max_norm)")
-    return _torch_clip_grads_with_norm_(params, max_norm, total_norm, foreach)
+            "the host: it would clip nothing. Clip with torch.nn.utils.clip_grad_norm_ (it clips through the "
+            "optimizer) or opt.clip_grad_norm_(max_norm)")
+    with torch.no_grad():
+        return _torch_clip_grads_with_norm_(params, max_norm, total_norm, foreach)
 
 
 def install() -> None:
@@ -101,5 +115,10 @@ def install() -> None:
         module.clip_grad_norm_ = clip_grad_norm_
         module.clip_grad_value_ = clip_grad_value_
     torch.nn.utils.clip_grads_with_norm_ = clip_grads_with_norm_
-    # NOTE: the name torch's own clip_grad_norm_ looks up when it is called
     torch.nn.utils.clip_grad._clip_grads_with_norm_ = clip_grads_with_norm_
+    # NOTE: torch's own objects, held by whoever imported them before cpu_offload, run what
+    # their wrapper's cell holds; the functions above call torch's unwrapped ones, so no loop.
+    for cell, ours in ((_clip_grad_norm_cell, clip_grad_norm_), (_clip_grad_value_cell, clip_grad_value_),
+                       (_clip_grads_with_norm_cell, clip_grads_with_norm_)):
+        if cell is not None:
+            cell.cell_contents = ours

@@ -4,7 +4,10 @@
 # (NaN loss: bit-identical; Inf in one parameter: rolled back, finite, close),
 # error_if_nonfinite, SignSGD, the max_grad_norm option.
 import math
+import subprocess
+import sys
 import warnings
+from pathlib import Path
 
 import pytest
 import torch
@@ -160,36 +163,72 @@ def test_torch_clipping_refuses_what_it_cannot_clip_through_the_optimizer():
     off2.step()
 
 
-def test_torch_clipping_imported_before_cpu_offload_raises_instead_of_clipping_nothing():
-    """``from torch.nn.utils import clip_grad_norm_`` above ``import cpu_offload`` keeps torch's
-    own function, which saw no gradient: it returned 0 and clipped nothing, without a word.
-    It now raises, as does torch.nn.utils.clip_grads_with_norm_; other parameters clip as in torch."""
-    from cpu_offload._full.torch_clipping import _torch_clip_grad_norm_ as imported_before
+# The script imports torch's clipping functions above cpu_offload, as a training script may.
+IMPORTED_BEFORE = """
+import math, sys
+from torch.nn.utils import clip_grad_norm_, clip_grad_value_, clip_grads_with_norm_
+import torch
+sys.path.insert(0, sys.argv[1])
+from helpers import SMALL, build, train
+from cpu_offload._full.optimizer import FullCPUOffloadOptimizer
 
-    assert imported_before is not torch.nn.utils.clip_grad_norm_  # torch's own, as such a script holds it
-    model, opt = build("adamw")
-    off = FullCPUOffloadOptimizer(opt, **SMALL)
-    model(torch.randn(4, 24).to(torch.bfloat16)).float().pow(2).mean().backward()
-    for clip in (lambda: imported_before(model.parameters(), 1e-3),
-                 lambda: torch.nn.utils.clip_grads_with_norm_(model.parameters(), 1e-3, torch.tensor(5.0))):
-        with pytest.raises(ValueError, match="import cpu_offload first"):
-            clip()
-    off.step()
-    assert off.stats()["clip_coef"] is None  # nothing was clipped
-    off.close()
-    torch.manual_seed(3)
-    grads = [torch.randn(5) * 3, torch.randn(2, 3)]
-    total = torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(g) for g in grads]))
-    for clip, norm in ((lambda ps: imported_before(ps, 1.0), total),
-                       (lambda ps: torch.nn.utils.clip_grads_with_norm_(ps, 1.0, torch.tensor(7.0)), 7.0)):
-        params = [torch.nn.Parameter(torch.zeros_like(g)) for g in grads]
-        for p, g in zip(params, grads):
-            p.grad = g.clone()
-        clip(params)
-        coef = torch.clamp(1.0 / (torch.as_tensor(norm) + 1e-6), max=1.0)
-        assert coef < 1.0
-        for p, g in zip(params, grads):
-            assert torch.allclose(p.grad, g * coef, rtol=1e-6, atol=0)
+called = train("adamw", 1, 6, clip=0.5)
+early = train("adamw", 1, 6, clip=0.5, clip_with=lambda model, clip: clip_grad_norm_(model.parameters(), clip))
+assert [float(n) for n in early[4]] == [float(n) for n in called[4]], (early[4], called[4])
+assert any(float(n) > 0.5 for n in called[4])  # some steps clip
+for a, b in zip(called[1].state.values(), early[1].state.values()):
+    assert torch.equal(a["master"], b["master"]) and torch.equal(a["exp_avg"], b["exp_avg"])
+
+model, opt = build("adamw")
+off = FullCPUOffloadOptimizer(opt, **SMALL)
+model(torch.randn(4, 24).to(torch.bfloat16)).float().pow(2).mean().backward()
+for name, clip, match in (
+        ("clip_grad_value_", lambda: clip_grad_value_(model.parameters(), 1e-3), "cannot be clipped by value"),
+        ("clip_grads_with_norm_", lambda: clip_grads_with_norm_(model.parameters(), 1e-3, torch.tensor(5.0)),
+         "would clip nothing"),
+        ("clip_grad_norm_ of part", lambda: clip_grad_norm_([model.l1.weight], 1e-3), "1 of the 8 parameters")):
+    try:
+        clip()
+    except ValueError as e:
+        assert match in str(e), (name, str(e))
+    else:
+        raise AssertionError(name + " returned without clipping anything")
+off.step()
+assert off.stats()["clip_coef"] is None  # nothing was clipped
+
+# Other parameters clip as in torch.
+torch.manual_seed(3)
+grads = [torch.randn(5) * 3, torch.randn(2, 3)]
+total = torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(g) for g in grads]))
+for clip, norm in ((lambda ps: clip_grad_norm_(ps, 1.0), total),
+                   (lambda ps: clip_grads_with_norm_(ps, 1.0, torch.tensor(7.0)), 7.0)):
+    params = [torch.nn.Parameter(torch.zeros_like(g)) for g in grads]
+    for p, g in zip(params, grads):
+        p.grad = g.clone()
+    clip(params)
+    coef = torch.clamp(1.0 / (torch.as_tensor(norm) + 1e-6), max=1.0)
+    assert coef < 1.0
+    for p, g in zip(params, grads):
+        assert torch.allclose(p.grad, g * coef, rtol=1e-6, atol=0)
+plain = torch.nn.Parameter(torch.zeros(3))
+plain.grad = torch.tensor([-4.0, 0.05, 4.0])
+clip_grad_value_([plain], 0.1)
+assert torch.equal(plain.grad, torch.tensor([-0.1, 0.05, 0.1]))
+print("ok")
+"""
+
+
+def test_torch_clipping_imported_before_cpu_offload_clips_through_the_optimizer_or_raises(tmp_path):
+    """``from torch.nn.utils import clip_grad_norm_, clip_grad_value_, clip_grads_with_norm_``
+    above ``import cpu_offload`` holds torch's own functions, which see no gradient (they are
+    on the host). clip_grad_value_ clipped nothing without a word, and clip_grad_norm_ raised.
+    Now each behaves as the one looked up after the import: clip_grad_norm_ clips through the
+    optimizer bit for bit, the other two raise; other parameters clip as in torch."""
+    script = tmp_path / "imported_before.py"
+    script.write_text(IMPORTED_BEFORE)
+    done = subprocess.run([sys.executable, str(script), str(Path(__file__).parents[1])], capture_output=True,
+                          text=True, timeout=300)
+    assert done.returncode == 0 and done.stdout.strip() == "ok", done.stdout + done.stderr
 
 
 def test_sign_sgd_clipping_returns_torch_norm_and_changes_no_update():
