@@ -165,7 +165,7 @@ def test_torch_clipping_refuses_what_it_cannot_clip_through_the_optimizer():
 
 # The script imports torch's clipping functions above cpu_offload, as a training script may.
 IMPORTED_BEFORE = """
-import math, sys
+import sys
 from torch.nn.utils import clip_grad_norm_, clip_grad_value_, clip_grads_with_norm_
 import torch
 sys.path.insert(0, sys.argv[1])
