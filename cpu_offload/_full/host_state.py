@@ -21,7 +21,7 @@ from cpu_offload._common.dtensor import is_dtensor, local_of
 __all__ = [
     "ParamRecord", "HostBuffers", "collect_records", "check_fsdp_not_started", "host_bytes_needed",
     "available_host_ram", "check_host_ram", "allocate_host_state", "cast_param", "cast_to_compute", "restore_dtypes",
-    "note_versions", "adopt_external_weights",
+    "note_versions", "adopt_external_weights", "adopt_edits_before_step", "undo_edits",
 ]
 
 # Elements per 64-byte line of fp32: every per-parameter view starts aligned.
@@ -323,27 +323,64 @@ def note_versions(records: Iterable[ParamRecord]) -> None:
         rec.version = _version_of(rec)
 
 
-def adopt_external_weights(records: Iterable[ParamRecord]) -> None:
-    """Weights changed outside the optimizer (``model.load_state_dict``, an
-    in-place edit, ``.data =``) win over stale masters.
+def _external_change(rec: ParamRecord) -> Optional[torch.Tensor]:
+    """The compute copy's values (flat, on the master's device) when they were changed
+    outside the optimizer since the library last wrote them, else None.
 
     NOTE: a changed version counter or storage alone is not a change of values
-    (FSDP2 re-pads its shards at its first forward): the master is replaced only
-    when the compute copy differs from round(master), so fp32 precision is kept
-    whenever the weights were not really changed.
+    (FSDP2 re-pads its shards at its first forward): it counts only when the compute
+    copy differs from round(master), and is noted as seen otherwise.
     """
-    for rec in records:
-        version = _version_of(rec)
-        if version == rec.version:
-            continue
-        if version[-1] != rec.version[-1]:
-            # NOTE: taken for new weights, the cast compute copies would replace the masters
-            # by their rounded values (model.float()), or fail in the kernels (half, double).
-            raise TypeError(
-                f"the compute copy of {rec.name} is now {version[-1]}, but full offload keeps it in "
-                f"{rec.version[-1]}: the model was cast after offload_optimizer wrapped it (model.float(), "
-                f".half(), .to(dtype)); cast it back (model.to({rec.version[-1]})), or cast before wrapping")
-        current = rec.local().detach().reshape(-1).to(rec.master.device)
-        if not torch.equal(current, rec.master.to(current.dtype)):
-            rec.master.copy_(current)
+    version = _version_of(rec)
+    if version == rec.version:
+        return None
+    if version[-1] != rec.version[-1]:
+        # NOTE: taken for new weights, the cast compute copies would replace the masters
+        # by their rounded values (model.float()), or fail in the kernels (half, double).
+        raise TypeError(
+            f"the compute copy of {rec.name} is now {version[-1]}, but full offload keeps it in "
+            f"{rec.version[-1]}: the model was cast after offload_optimizer wrapped it (model.float(), "
+            f".half(), .to(dtype)); cast it back (model.to({rec.version[-1]})), or cast before wrapping")
+    current = rec.local().detach().reshape(-1).to(rec.master.device)
+    if torch.equal(current, rec.master.to(current.dtype)):
         rec.version = version
+        return None
+    return current
+
+
+def adopt_external_weights(records: Iterable[ParamRecord]) -> None:
+    """Weights changed outside the optimizer (``model.load_state_dict``, an
+    in-place edit, ``.data =``) win over stale masters: bf16-exact from a bf16
+    compute copy; fp32 precision is kept whenever the weights were not really changed."""
+    for rec in records:
+        current = _external_change(rec)
+        if current is not None:
+            rec.master.copy_(current)
+            rec.version = _version_of(rec)
+
+
+def adopt_edits_before_step(records: Iterable[ParamRecord]) -> list[ParamRecord]:
+    """step() begins: a record whose window step has not run yet takes an edit made since the
+    library last wrote its weights (``adopt_external_weights``): its step updates the edited
+    weight, as torch's step() would. Returns the records whose step already ran during backward
+    and whose weights were changed since: those cannot be stepped from the edit.
+
+    NOTE: a record counts as not stepped while none of its pieces ran (a short window, a
+    window that holds its chunks back, a step rolled back by the non-finite guard).
+    """
+    late = []
+    for rec in records:
+        if rec.pieces_done == 0:
+            adopt_external_weights([rec])
+        elif _external_change(rec) is not None:
+            late.append(rec)
+    return late
+
+
+def undo_edits(records: Iterable[ParamRecord]) -> None:
+    """Write round(master) back over each record's changed compute copy."""
+    records = list(records)
+    with torch.no_grad():
+        for rec in records:
+            rec.local().detach().view(-1).copy_(rec.master)
+    note_versions(records)

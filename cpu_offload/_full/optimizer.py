@@ -39,9 +39,9 @@ from cpu_offload._full import checkpoint
 from cpu_offload._full import ownership
 from cpu_offload._common.backward_end import NextForwardHook, outside_backward, watch_backward
 from cpu_offload._full.host_state import (
-    adopt_external_weights, allocate_host_state, allocate_retained, available_host_ram, cast_to_compute,
-    check_fsdp_not_started, check_host_ram,
-    collect_records, host_bytes_needed, note_versions, restore_dtypes,
+    adopt_edits_before_step, adopt_external_weights, allocate_host_state, allocate_retained, available_host_ram,
+    cast_to_compute, check_fsdp_not_started, check_host_ram,
+    collect_records, host_bytes_needed, note_versions, restore_dtypes, undo_edits,
 )
 from cpu_offload._common.dtensor import local_of
 from cpu_offload._full.dtype_hint import watch_first_forward
@@ -440,6 +440,9 @@ class FullCPUOffloadOptimizer(WindowControls, torch.optim.Optimizer):
         self._proto.move(Phase.BACKWARD)
         if new_window:
             self._check_parameters()
+        if new_window or self._proto.final:
+            # NOTE: also before the window's last pass: an edit between two passes is the
+            # weight the step (run during that pass) updates, as in torch's step()
             adopt_external_weights(self._records)
         # NOTE: hyper-parameters are read when the last backward of a window
         # starts (the chunks are stepped during it), so an LR scheduler stepped
@@ -552,8 +555,10 @@ class FullCPUOffloadOptimizer(WindowControls, torch.optim.Optimizer):
         if late and self._validator.tracking and not self._accumulate:
             if self._pipeline.read_norms_now(self._validator.window_records()):
                 late = False
-        if not late and self._pipeline.in_flight:
-            self._guarded(lambda: land_window(self._records, self._pipeline, self._transfer))
+                # NOTE: also when every chunk has run: it notes the weights they wrote, so
+                # that step() can tell an edit made since from them
+                self._guarded(lambda: land_window(self._records, self._pipeline, self._transfer))
+        self._proto.landed = not late
         self._guarded(self._device.read_norms)
         self._guarded(self._validator.after_final_pass)
         self._proto.move(Phase.APPLIED)
@@ -609,6 +614,7 @@ class FullCPUOffloadOptimizer(WindowControls, torch.optim.Optimizer):
         self._validator.close_window(abandoned=abandoned)
         self._proto.micro = 0
         self._proto.final = False
+        self._proto.landed = False
 
     # ---------------------------------------------------------------- step
     def step(self, closure=None):
@@ -643,6 +649,7 @@ class FullCPUOffloadOptimizer(WindowControls, torch.optim.Optimizer):
             # (After a step() and no zero_grad, torch would step its kept gradients again:
             # they are not kept here, so that step() does nothing; README.)
             adopt_external_weights(self._records)
+        late_edits = self._take_edits_before_step()
         if self._proto.phase in (Phase.IDLE, Phase.ACCUMULATING):  # a short window
             # NOTE: a Ctrl-C while the window completes is delivered once it has: raised in
             # between, it aborted the window (the parameters not yet stepped lost the step)
@@ -655,8 +662,29 @@ class FullCPUOffloadOptimizer(WindowControls, torch.optim.Optimizer):
         # and the window closed, so the state is the one after this step.
         with deferred_interrupts():
             self._finish_step(passes, t0, blocked_before, current)
+            if late_edits:
+                undo_edits(late_edits)
         self._pipeline.trace.mark("step_end")
+        if late_edits:
+            raise RuntimeError(
+                f"cpu_offload: {[r.name for r in late_edits][:8]} changed in place after the window's last backward pass "
+                "and before step(); with offload='full' that backward had already applied their update, so step() "
+                "could not update the changed weights as torch would. The change was undone: the weights are this "
+                "step's result. Change weights after step(), or before the window's last backward pass")
         return loss
+
+    def _take_edits_before_step(self) -> list:
+        """step() begins: host parameters whose window step has not run take the edits made
+        since the library last wrote their weights (their step updates the edited weights,
+        as in torch); returns those whose step already ran and whose weights were changed.
+
+        NOTE: with overlap_forward, while the window's weights may still be on their way
+        (wait_for_weights() not called), a version change is no sign of an edit: nothing is
+        checked then (an edit may be overwritten, docs/full-offload.md)."""
+        phase = self._proto.phase
+        if phase is Phase.ACCUMULATING or (phase is Phase.APPLIED and (self._proto.landed or not self._overlap)):
+            return adopt_edits_before_step([r for r in self._records if not r.on_device])
+        return []
 
     def _finish_step(self, passes: int, t0: float, blocked_before: float, hparams: list) -> None:
         """``blocked_before``: the window's blocked time up to this step() call, whose own
@@ -700,8 +728,9 @@ class FullCPUOffloadOptimizer(WindowControls, torch.optim.Optimizer):
         ``overlap_forward``, step() and the window's last backward may return before;
         without, they already are)."""
         self._enter()
-        if self._proto.phase is Phase.APPLIED and self._pipeline.in_flight:
+        if self._proto.phase is Phase.APPLIED and not self._proto.landed:
             self._guarded(lambda: land_window(self._records, self._pipeline, self._transfer))
+            self._proto.landed = True
 
     def _await_weights(self, recs: list, fsdp_state) -> None:
         """overlap_forward's forward pre-hook: the new weights of ``recs`` are on the

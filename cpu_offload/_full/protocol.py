@@ -89,6 +89,9 @@ class ProtocolState:
     # (window.land_window) before anything else reads or changes the host state.
     landing: bool = False
     landing_stats: dict = field(default_factory=dict)  # that step's figures, completed when it lands
+    # APPLIED: the window's new weights are on the device and noted (window.land_window), so
+    # a version change seen by step() is the user's (always so without overlap_forward).
+    landed: bool = False
 
     def died_unrecovered(self) -> bool:
         """The watched backward raised in its window and nothing has recovered it yet. NOTE:

@@ -399,13 +399,21 @@ def test_fsdp2_variable_windows_match_torch_adamw(tmp_path):
             assert float((got - want).norm() / want.norm()) < 1e-5, (i, key)
 
 
+@pytest.mark.parametrize("when", ["between steps", "between two passes"])
 @pytest.mark.parametrize("edit", ["in_place", "load_state_dict"])
-def test_weights_edited_outside_the_optimizer_win_under_fsdp2(gloo_group, edit):
+def test_weights_edited_outside_the_optimizer_win_under_fsdp2(gloo_group, edit, when):
     # NOTE: an in-place op on an FSDP2 parameter (a DTensor) runs on its local shard below
     # autograd, which leaves the shard's version counter as it was; the DTensor's moves.
     from torch.distributed.device_mesh import init_device_mesh
 
     from cpu_offload import offload_optimizer
+
+    def change(model):
+        with torch.no_grad():
+            if edit == "in_place":
+                model[2].weight.mul_(0.5)
+            else:
+                model.load_state_dict({k: v * 0.5 for k, v in model.state_dict().items()})
 
     mesh = init_device_mesh("cpu", (1,))
     masters = {}
@@ -416,17 +424,53 @@ def test_weights_edited_outside_the_optimizer_win_under_fsdp2(gloo_group, edit):
         opt = offload_optimizer(make_opt(model), offload="full", grad_accum_steps=ACCUM, pinned_bytes=1 << 15,
                                 num_slots=2)
         train(model, opt, range(1))
-        if run != "one process, not edited":
-            with torch.no_grad():
-                if edit == "in_place":
-                    model[2].weight.mul_(0.5)
-                else:
-                    model.load_state_dict({k: v * 0.5 for k, v in model.state_dict().items()})
-        train(model, opt, range(1, 3))
+        edited = run != "one process, not edited"
+        if edited and when == "between steps":
+            change(model)
+        for m in range(ACCUM):  # step 1, edited after its first pass
+            model(batch(1, m)).float().pow(2).mean().backward()
+            if edited and when == "between two passes" and m == 0:
+                change(model)
+        opt.step()
+        opt.zero_grad()
+        train(model, opt, range(2, 3))
         masters[run] = [getattr(e["master"], "full_tensor", e["master"].clone)() for e in opt.state_dict()["state"].values()]
         opt.close()
     assert all(torch.equal(a, b) for a, b in zip(masters["FSDP2"], masters["one process"]))
-    assert not torch.equal(masters["one process"][1], masters["one process, not edited"][1])  # model[2].weight
+    # model[2].weight, halved: the edit is in the masters (three steps of lr 1e-2 move it far less)
+    assert float(masters["one process"][1].norm()) < 0.8 * float(masters["one process, not edited"][1].norm())
+
+
+def test_a_weight_edited_after_the_last_backward_raises_under_fsdp2(gloo_group):
+    """FSDP2 moves only the DTensor's version counter on an in-place edit: step() still sees
+    an edit made after the window's last backward had stepped the weight, and undoes it."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from cpu_offload import offload_optimizer
+
+    mesh = init_device_mesh("cpu", (1,))
+    masters = {}
+    for run in ("not edited", "edited"):
+        model = _shard(make_model(), mesh)
+        opt = offload_optimizer(make_opt(model), offload="full", grad_accum_steps=ACCUM, pinned_bytes=1 << 15,
+                                num_slots=2)
+        train(model, opt, range(1))
+        for m in range(ACCUM):
+            model(batch(1, m)).float().pow(2).mean().backward()
+        if run == "edited":
+            with torch.no_grad():
+                model[2].weight.mul_(0.5)
+            with pytest.raises(RuntimeError, match=r"\['param_groups\[0\]\[1\]'\] changed in place"):
+                opt.step()
+        else:
+            opt.step()
+        opt.zero_grad()
+        train(model, opt, range(2, 3))
+        masters[run] = [e["master"].full_tensor() for e in opt.state_dict()["state"].values()]
+        weights = [p.full_tensor() for group in opt.param_groups for p in group["params"]]  # the state's order
+        opt.close()
+    assert all(torch.equal(a, b) for a, b in zip(masters["edited"], masters["not edited"]))
+    assert all(torch.equal(w, m.to(w.dtype).reshape(w.shape)) for w, m in zip(weights, masters["edited"]))
 
 
 def overlap_loop(model, opt, steps=STEPS):

@@ -6,9 +6,9 @@
 # NaN losses, gradient factors announced before a pass or given after the last, zero_grad
 # with and without set_to_none, parameters that get no gradient, learning-rate, weight-decay
 # and betas changes, moments written through opt.state, weights edited outside the
-# optimizer, passes whose backward raises, refused checkpoints in the middle of a window,
-# state round trips, and resumes into a new model and wrapper from the run's checkpoint or
-# from the plain torch optimizer's. The program runs on configurations that the numerics
+# optimizer (also between two passes of a window), passes whose backward raises, refused
+# checkpoints in the middle of a window, state round trips, and resumes into a new model and
+# wrapper from the run's checkpoint or from the plain torch optimizer's. The program runs on configurations that the numerics
 # contract says step bit for bit alike (CONFIGS), compared after every window, and each run
 # is checked against the torch optimizer emulated literally (its .grad tensors,
 # clip_grad_norm_, zero_grad) on the gradients the run computed.
@@ -55,6 +55,7 @@ class Window:
     lr: Optional[tuple] = None  # (group, new lr) before the window
     weight_decay: Optional[tuple] = None  # (group, new weight decay) before the window
     edit: bool = False  # l2.weight halved outside the optimizer before the window
+    mid_edit: int = -1  # l2.bias halved after this pass, not the last (-1: none)
     betas: Optional[tuple] = None  # (group, new betas) before the window (AdamW)
     moment: Optional[float] = None  # opt.state[l1.weight]["exp_avg"] = it times this, before the window
     resume: bool = False  # checkpoint after the window; a new model and wrapper load it
@@ -74,6 +75,7 @@ class Program:
 
 def draw(seed: int, algorithm: str, failures: bool = True, migrations: bool = True) -> Program:
     rng = random.Random(seed)
+    edits = random.Random(f"{seed} mid_edit")  # NOTE: its own stream: the other draws stay as they were
     clipping = rng.choice(["none", "call", "option"])
     program = Program(seed, algorithm, max_grad_norm=0.05 if clipping == "option" else None,
                       largest=1 if seed % 3 == 2 else 3)
@@ -104,6 +106,8 @@ def draw(seed: int, algorithm: str, failures: bool = True, migrations: bool = Tr
         if rng.random() < 0.1:
             w.weight_decay = (rng.randrange(2), rng.choice([0.0, 0.01, 0.1]))
         w.edit = rng.random() < 0.08
+        if passes > 1 and edits.random() < 0.15:
+            w.mid_edit = edits.randrange(passes - 1)
         if algorithm == "adamw" and rng.random() < 0.08:
             w.betas = (rng.randrange(2), rng.choice([(0.9, 0.95), (0.8, 0.99), (0.95, 0.999)]))
         if algorithm == "adamw" and rng.random() < 0.08:
@@ -273,6 +277,11 @@ class Run:
             if ref is not None:
                 ref.add({n: g[-1] for n, g in self.passes.items()})
                 self.passes.clear()
+            if w.mid_edit == m:  # the step updates the edited weight, as torch's
+                with torch.no_grad():
+                    model.l2.bias.mul_(0.5)
+                if ref is not None:
+                    ref.params["l2.bias"].data.copy_(model.l2.bias.detach().float())
             if w.mid_clip is not None and w.mid_clip[0] == m:
                 got = float(opt.clip_grad_norm_(w.mid_clip[1]))
                 if ref is not None:

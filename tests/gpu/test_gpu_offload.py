@@ -95,6 +95,58 @@ def test_single_gpu_fsdp2_equivalence(single_rank_group):
     opt.close()
 
 
+@pytest.mark.parametrize("overlap", [False, True])
+def test_single_gpu_weight_edits_inside_a_window(overlap):
+    """On the GPU's copy path: an edit between two backwards of a window is the weight the step
+    updates (bit for bit against the reference), and an edit after the last backward, whose
+    update already ran, is undone by step(), which raises; training goes on exactly."""
+    torch.manual_seed(0)
+    model = LM().cuda()
+    grads = capture_local_grads(model)
+    opt = offload_optimizer(make_opt(model), offload="full", grad_accum_steps=2, pinned_bytes=1 << 21,
+                            overlap_forward=model if overlap else None)
+    train(model, opt, range(2), 2, None, grads)
+    opt.wait_for_weights()
+    init = {n: p.detach().float().cpu() for n, p in model.named_parameters()}
+    head, states = model.head.weight, {}
+    for r in records_of(opt):
+        states[id(r.param)] = (r.exp_avg.clone(), r.exp_avg_sq.clone(), r.step)
+    grads.clear()
+    loss_fn(model, tokens(2, 0)).backward()
+    with torch.no_grad():
+        head.mul_(0.5)  # between the two backwards: the step updates it
+    init["head.weight"] = head.detach().float().cpu()
+    loss_fn(model, tokens(2, 1)).backward()
+    opt.step()
+    opt.zero_grad()
+    opt.wait_for_weights()
+    by_id = {id(p): n for n, p in model.named_parameters()}
+    for rec in records_of(opt):
+        n, grp = by_id[id(rec.param)], opt.param_groups[rec.group]
+        exp_avg, exp_avg_sq, step = states[id(rec.param)]
+        want = init[n].clone().reshape(-1)
+        adamw_reference_(want, (grads[n][0] + grads[n][1]).reshape(-1), exp_avg, exp_avg_sq, step + 1, lr=grp["lr"],
+                         beta1=grp["betas"][0], beta2=grp["betas"][1], eps=grp["eps"], weight_decay=grp["weight_decay"])
+        assert torch.equal(rec.master, want) and torch.equal(rec.local().detach().cpu().reshape(-1),
+                                                             want.to(torch.bfloat16)), n
+    masters = {n: r.master.clone() for n, r in ((by_id[id(r.param)], r) for r in records_of(opt))}
+    for micro in range(2):
+        loss_fn(model, tokens(3, micro)).backward()
+    opt.wait_for_weights()
+    with torch.no_grad():
+        head.mul_(0.5)  # after the last backward: undone, and step() raises
+    with pytest.raises(RuntimeError, match="changed in place after the window's last backward"):
+        opt.step()
+    opt.zero_grad()
+    opt.wait_for_weights()
+    for rec in records_of(opt):
+        n = by_id[id(rec.param)]
+        assert not torch.equal(rec.master, masters[n]), n  # stepped
+        assert torch.equal(rec.local().detach().cpu().reshape(-1), rec.master.to(torch.bfloat16)), n
+    train(model, opt, range(4, 6), 2)
+    opt.close()
+
+
 def _pinned_bytes():
     stats = torch.cuda.host_memory_stats() if hasattr(torch.cuda, "host_memory_stats") else {}
     return stats.get("allocated_bytes.current", stats.get("allocated_bytes.all.current", 0))

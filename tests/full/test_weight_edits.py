@@ -1,0 +1,211 @@
+# Weights changed in place by the user while a full-offload window is open: between two
+# backward passes of an accumulation window, after the last pass of a short window, after
+# the last backward of a window that holds its step back until step(), and after the last
+# backward whose chunks were already stepped. torch's step() updates whatever the weights
+# are when it runs; full offload must give that, bit for bit against reference.py, or
+# refuse loudly where its step already ran.
+#
+# Scope: host records on CPU parameters, without and with FSDP2 (one gloo rank).
+# Device records: tests/full/test_gpu_state.py; edits between steps: test_fsdp_cpu.py.
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from cpu_offload._full.optimizer import FullCPUOffloadOptimizer
+from helpers import SMALL, batches, build, capture, check_stepped_once, named, snapshot, train_step
+
+EDITED = ("l2.weight", "l1.bias")
+
+
+def backward_pass(model, s, m, k, *, loss_factor=1.0):
+    x, extra = batches(s, k)[m]
+    (model(x.to(torch.bfloat16), use_extra=extra).float().pow(2).mean() * loss_factor).backward()
+
+
+def edit(model, names=EDITED, *, seed=3):
+    """Change each named weight in place to fresh random bf16 values; return them."""
+    params, g = dict(model.named_parameters()), torch.Generator().manual_seed(seed)
+    values = {}
+    with torch.no_grad():
+        for n in names:
+            values[n] = torch.randn(params[n].shape, generator=g).to(params[n].dtype)
+            params[n].copy_(values[n])
+    return values
+
+
+def with_masters(before, off, model, values):
+    """``snapshot`` ``before`` with the masters of the edited parameters set to their edited values."""
+    out = dict(before)
+    for n, v in values.items():
+        rec = named(model, off)[n]
+        _, exp_avg, exp_avg_sq, step = before[rec.name]
+        out[rec.name] = (v.float().reshape(-1), exp_avg, exp_avg_sq, step)
+    return out
+
+
+def names_in(message, off, model) -> set:
+    """The parameters whose record names (``param_groups[g][i]``) ``message`` quotes."""
+    return {n for n, rec in named(model, off).items() if repr(rec.name) in message}
+
+
+def check_weights_are_rounded_masters(model, off):
+    for n, rec in named(model, off).items():
+        assert torch.equal(rec.param.detach().reshape(-1), rec.master.to(rec.param.dtype)), n
+
+
+def warm_up(kind="adamw", k=2, **opts):
+    model, opt = build(kind)
+    grads = capture(model)
+    off = FullCPUOffloadOptimizer(opt, grad_accum_steps=k, **SMALL, **opts)
+    train_step(model, off, 0, k)
+    off.step()
+    off.zero_grad()
+    grads.clear()
+    return model, off, grads
+
+
+@pytest.mark.parametrize("kind, where", [
+    ("adamw", "between two passes"), ("sign_sgd", "between two passes"),
+    ("adamw", "after a short window's last pass"), ("sign_sgd", "after a short window's last pass"),
+    ("adamw", "held back until step()"),  # NOTE: SignSGD's step never depends on the factor: never held back
+])
+def test_an_edit_before_the_step_runs_is_the_weight_the_step_updates(kind, where):
+    """An edit between two backward passes of a window, or after the last pass of a short
+    window, was lost without a word: the step updated the master the window began with and
+    wrote it over the edit. torch's step() updates the edited weight, and so must this one."""
+    k = 3 if where == "after a short window's last pass" else 2
+    model, off, grads = warm_up(kind, k)
+    if where == "held back until step()":  # NOTE: the window after one that clipped holds its chunks back
+        train_step(model, off, 1, k)
+        off.clip_grad_norm_(1e-3)
+        off.step()
+        off.zero_grad()
+        grads.clear()
+    backward_pass(model, 2, 0, k)
+    values = edit(model) if where == "between two passes" else {}
+    before = with_masters(snapshot(off), off, model, values)  # NOTE: taken before any of the window's steps
+    backward_pass(model, 2, 1, k)
+    if where != "between two passes":
+        before = with_masters(before, off, model, edit(model))
+    off.step()
+    check_stepped_once(model, off, before, grads, 1.0, where)
+    check_weights_are_rounded_masters(model, off)
+    off.close()
+
+
+@pytest.mark.parametrize("k", [1, 2])
+def test_an_edit_after_the_last_backward_stepped_raises_in_step_and_is_undone(k):
+    """The window's last backward already stepped the parameters: an edit after it was
+    applied on top of the update at the next backward, where torch's step() would have
+    updated the edited weight. step() now finishes the step, undoes the edit and raises,
+    naming the parameters; training goes on from the step's exact result."""
+    model, off, grads = warm_up("adamw", k)
+    before = snapshot(off)
+    train_step(model, off, 1, k)
+    edit(model)
+    with pytest.raises(RuntimeError, match="changed in place after the window's last backward") as info:
+        off.step()
+    assert names_in(str(info.value), off, model) == set(EDITED)
+    check_stepped_once(model, off, before, grads, 1.0, "after the raise")
+    check_weights_are_rounded_masters(model, off)
+    off.zero_grad()
+    grads.clear()
+    before = snapshot(off)
+    train_step(model, off, 2, k)
+    off.step()  # the window closed: the next one trains as usual
+    check_stepped_once(model, off, before, grads, 1.0, "the next step")
+    off.close()
+
+
+def test_an_edit_after_the_last_backward_of_a_parameter_it_did_not_step_is_kept():
+    """A parameter without a gradient in the window is not stepped (as in torch): an edit of
+    it before step() is its new weight, with no error."""
+    model, off, grads = warm_up("adamw", 1)
+    before = snapshot(off)
+    train_step(model, off, 1, 1)
+    assert "unused" not in grads
+    values = edit(model, ("unused",))
+    off.step()
+    check_stepped_once(model, off, with_masters(before, off, model, values), grads, 1.0, "unused edited")
+    check_weights_are_rounded_masters(model, off)
+    off.close()
+
+
+def test_an_edit_and_a_late_learning_rate_raise_after_the_redo():
+    """An edit after the last backward of a step that step() redoes (a learning rate set late):
+    the redo rewrote the weights from the masters, so the edit was lost silently; it raises
+    now, and the state is the redone step's, bit for bit that of the same run without the edit."""
+    states = {}
+    for edited in (False, True):
+        model, off, grads = warm_up("adamw", 1)
+        train_step(model, off, 1, 1)
+        if edited:
+            edit(model)
+        for group in off.param_groups:
+            group["lr"] *= 0.5
+        with pytest.warns(RuntimeWarning, match="changed from"):
+            if edited:
+                with pytest.raises(RuntimeError, match="changed in place") as info:
+                    off.step()
+                assert names_in(str(info.value), off, model) == set(EDITED)
+            else:
+                off.step()
+        check_weights_are_rounded_masters(model, off)
+        states[edited] = snapshot(off)
+        off.close()
+    for name, (a, b) in ((n, (states[False][n], states[True][n])) for n in states[False]):
+        assert all(x is y is None or x == y if not torch.is_tensor(x) else torch.equal(x, y) for x, y in zip(a, b)), name
+
+
+@pytest.mark.parametrize("max_grad_norm", [None, 1e6])
+def test_with_overlap_forward_an_edit_after_wait_for_weights_raises_in_step(max_grad_norm):
+    """With overlap_forward the new weights may still be on their way at step(): an edit is
+    checked once wait_for_weights() has landed them (docs/full-offload.md), as without it;
+    also with norm tracking (max_grad_norm), which reads the window's norms before step()."""
+    model, opt = build("adamw")
+    grads = capture(model)
+    off = FullCPUOffloadOptimizer(opt, overlap_forward=model, max_grad_norm=max_grad_norm, **SMALL)
+    for s in range(3):  # no edit: nothing raises
+        train_step(model, off, s, 1)
+        off.step()
+        off.zero_grad()
+    off.wait_for_weights()
+    grads.clear()
+    before = snapshot(off)
+    train_step(model, off, 3, 1)
+    off.wait_for_weights()
+    edit(model)
+    with pytest.raises(RuntimeError, match="changed in place") as info:
+        off.step()
+    assert names_in(str(info.value), off, model) == set(EDITED)
+    off.wait_for_weights()
+    check_stepped_once(model, off, before, grads, 1.0, "overlap_forward")
+    check_weights_are_rounded_masters(model, off)
+    off.close()
+
+
+@pytest.mark.parametrize("overlap", [False, True])
+def test_an_edit_after_a_backward_whose_step_was_skipped_is_kept(overlap):
+    """A NaN gradient rolls the window's step back and skips it: the weights are those before
+    the step again, and an edit made before step() stays, as torch keeps it."""
+    model, opt = build("adamw")
+    off = FullCPUOffloadOptimizer(opt, overlap_forward=model if overlap else None, **SMALL)
+    train_step(model, off, 0, 1)
+    off.step()
+    off.zero_grad()
+    off.wait_for_weights()
+    before = snapshot(off)
+    with pytest.warns(RuntimeWarning, match="skipped"):
+        train_step(model, off, 1, 1, loss_factor=float("nan"))
+    values = edit(model)
+    off.step()
+    assert off.stats()["skipped"]
+    after = snapshot(off)
+    for n, rec in named(model, off).items():
+        master, exp_avg, exp_avg_sq, step = before[rec.name]
+        want = values[n].float().reshape(-1) if n in values else master
+        assert torch.equal(after[rec.name][0], want) and after[rec.name][3] == step, n
+    check_weights_are_rounded_masters(model, off)
+    off.close()
