@@ -663,14 +663,16 @@ class FullCPUOffloadOptimizer(WindowControls, torch.optim.Optimizer):
         with deferred_interrupts():
             self._finish_step(passes, t0, blocked_before, current)
             if late_edits:
+                # NOTE: raised inside the block: a Ctrl-C held back here is raised with it as context
                 undo_edits(late_edits)
+                self._pipeline.trace.mark("step_end")
+                raise RuntimeError(
+                    f"cpu_offload: {[r.name for r in late_edits][:8]} changed in place after the window's last "
+                    "backward pass and before step(); with offload='full' that backward had already applied their "
+                    "update, so step() could not update the changed weights as torch would. The change was undone: "
+                    "the weights are this step's result. Change weights after step(), or before the window's last "
+                    "backward pass")
         self._pipeline.trace.mark("step_end")
-        if late_edits:
-            raise RuntimeError(
-                f"cpu_offload: {[r.name for r in late_edits][:8]} changed in place after the window's last backward pass "
-                "and before step(); with offload='full' that backward had already applied their update, so step() "
-                "could not update the changed weights as torch would. The change was undone: the weights are this "
-                "step's result. Change weights after step(), or before the window's last backward pass")
         return loss
 
     def _take_edits_before_step(self) -> list:

@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from cpu_offload._full.optimizer import FullCPUOffloadOptimizer
-from helpers import SMALL, batches, build, capture, check_stepped_once, named, snapshot, train_step
+from helpers import SMALL, batches, build, capture, check_stepped_once, named, sigint_at_line, snapshot, train_step
 
 EDITED = ("l2.weight", "l1.bias")
 
@@ -209,3 +209,52 @@ def test_an_edit_after_a_backward_whose_step_was_skipped_is_kept(overlap):
         assert torch.equal(after[rec.name][0], want) and after[rec.name][3] == step, n
     check_weights_are_rounded_masters(model, off)
     off.close()
+
+
+@pytest.mark.parametrize("where", ["between two passes", "after the last backward"])
+def test_a_ctrl_c_anywhere_in_step_with_an_edit_pending_leaves_the_same_state(sigint_raises, where):
+    """SIGINT at each line step() runs, an edit pending: the interrupted step(), then step()
+    again as a user would, end in the state of the uninterrupted run; an edit whose step had
+    already run is undone, and the error says so (with the Ctrl-C, or from the next step())."""
+    def until_step():
+        model, off, grads = warm_up("adamw", 2)
+        backward_pass(model, 2, 0, 2)
+        if where == "between two passes":
+            edit(model)
+        backward_pass(model, 2, 1, 2)
+        if where != "between two passes":
+            edit(model)
+        return model, off
+
+    def step_and_train(model, off, first=None):
+        told = first is not None and "changed in place" in str(first.__context__ or first)
+        try:
+            off.step()
+        except RuntimeError as e:
+            assert "changed in place" in str(e) and not told
+            told = True
+        assert told == (where == "after the last backward")
+        off.zero_grad()
+        train_step(model, off, 3, 2)
+        off.step()
+        check_weights_are_rounded_masters(model, off)
+        return snapshot(off)
+
+    model, off = until_step()
+    want = step_and_train(model, off)
+    off.close()
+    k = 0
+    while True:
+        k += 1
+        model, off = until_step()
+        hit, raised = sigint_at_line(k, off.step)
+        if not hit:
+            off.close()
+            break
+        assert isinstance(raised, KeyboardInterrupt), (k, raised)
+        got = step_and_train(model, off, raised)
+        for name, values in want.items():
+            for a, b in zip(got[name], values):
+                assert torch.equal(a, b) if torch.is_tensor(a) else a == b, (where, k, name)
+        off.close()
+    assert k > 20, k
