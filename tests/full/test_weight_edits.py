@@ -72,9 +72,10 @@ def warm_up(kind="adamw", k=2, **opts):
     ("adamw", "held back until step()"),  # NOTE: SignSGD's step never depends on the factor: never held back
 ])
 def test_an_edit_before_the_step_runs_is_the_weight_the_step_updates(kind, where):
-    """An edit between two backward passes of a window, or after the last pass of a short
-    window, was lost without a word: the step updated the master the window began with and
-    wrote it over the edit. torch's step() updates the edited weight, and so must this one."""
+    """An edit between two backward passes of a window, after the last pass of a short window,
+    or after the last pass of a window that holds its step back, was lost without a word: the
+    step updated the master the window began with and wrote it over the edit. torch's step()
+    updates the edited weight, and so must this one."""
     k = 3 if where == "after a short window's last pass" else 2
     model, off, grads = warm_up(kind, k)
     if where == "held back until step()":  # NOTE: the window after one that clipped holds its chunks back
@@ -87,6 +88,8 @@ def test_an_edit_before_the_step_runs_is_the_weight_the_step_updates(kind, where
     values = edit(model) if where == "between two passes" else {}
     before = with_masters(snapshot(off), off, model, values)  # NOTE: taken before any of the window's steps
     backward_pass(model, 2, 1, k)
+    if where == "held back until step()":
+        assert not any(rec.pieces_done for rec in named(model, off).values())
     if where != "between two passes":
         before = with_masters(before, off, model, edit(model))
     off.step()
