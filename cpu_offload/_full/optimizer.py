@@ -338,8 +338,9 @@ class FullCPUOffloadOptimizer(WindowControls, torch.optim.Optimizer):
                 self._pinned_bytes = d2h.nbytes + h2d.nbytes
                 self._pid = os.getpid()
                 note_versions(records)
-                self._state = StateMapping(records, frozen=frozen,
-                                           guard=lambda what: None if (w := ref()) is None else w._check_idle(what))
+                self._state = StateMapping(
+                    records, frozen=frozen, guard=lambda what: None if (w := ref()) is None else w._check_idle(what),
+                    read_guard=lambda what: None if (w := ref()) is None else w._check_state_read(what))
                 self._overlap = overlap
                 self._multi_rank = (torch.distributed.is_available() and torch.distributed.is_initialized()
                                     and torch.distributed.get_world_size() > 1)
@@ -921,6 +922,18 @@ class FullCPUOffloadOptimizer(WindowControls, torch.optim.Optimizer):
         self._check_between_steps(what)
         if self._proto.phase is not Phase.IDLE:
             raise RuntimeError(f"{what} {self._proto.phase.value}: call it after step()")
+
+    def _check_state_read(self, what: str) -> None:
+        """``opt.state[p][key]``: the last step lands first (overlap_forward may still be
+        stepping it). Refused once the window's last backward has begun, until step(): the
+        state is already (partly) this step's, where torch's would be the one before it.
+        NOTE: a read in the middle of an accumulation window is torch's: nothing stepped yet."""
+        self._enter()
+        phase = self._proto.phase
+        if phase is Phase.APPLIED or (phase is Phase.BACKWARD and self._proto.final):
+            raise RuntimeError(f"{what} {phase.value}: full offload applies the step's update during the window's "
+                               "last backward, so the state is (partly) the step's already, where torch's optimizer "
+                               "would show the one before it; call it after step()")
 
     def _check_between_steps(self, what: str) -> None:
         self._enter()

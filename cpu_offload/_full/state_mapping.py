@@ -148,19 +148,20 @@ class StateEntry:
     Lightning's device move leaves such values alone).
     """
 
-    __slots__ = ("_rec", "_guard", "_keys", "_views")
+    __slots__ = ("_rec", "_guard", "_read_guard", "_keys", "_views")
 
-    def __init__(self, rec: ParamRecord, guard: Callable[[str], None]):
-        self._rec, self._guard = rec, guard
+    def __init__(self, rec: ParamRecord, guard: Callable[[str], None], read_guard: Callable[[str], None]):
+        self._rec, self._guard, self._read_guard = rec, guard, read_guard
         self._keys = ("step",) + host_keys(rec)
         self._views: dict = {}  # key -> (flat state tensor, its view): made again only if the state moved
 
     def __getitem__(self, key):
         rec = self._rec
-        if key == "step":
-            return torch.tensor(float(rec.step), dtype=torch.float32)
         if key not in self._keys:
             raise KeyError(key)
+        self._read_guard(f"reading opt.state[{rec.name}][{key!r}]")
+        if key == "step":
+            return torch.tensor(float(rec.step), dtype=torch.float32)
         flat = getattr(rec, key)
         cached = self._views.get(key)
         if cached is None or cached[0] is not flat:  # NOTE: gpu_state="auto" may move the state once
@@ -240,8 +241,8 @@ class StateMapping(MutableMapping):
     """``opt.state``: ``{param: StateEntry}`` for every trainable parameter, built once; a
     frozen parameter of the groups reads as an empty ``NoState``, outside the mapping."""
 
-    def __init__(self, records, guard: Callable[[str], None], frozen=()):
-        self._entries = {rec.param: StateEntry(rec, guard) for rec in records}
+    def __init__(self, records, guard: Callable[[str], None], read_guard: Callable[[str], None], frozen=()):
+        self._entries = {rec.param: StateEntry(rec, guard, read_guard) for rec in records}
         self._frozen = set(frozen)  # NOTE: tensors hash by identity
 
     def __getitem__(self, param) -> StateEntry:

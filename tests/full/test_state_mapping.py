@@ -92,3 +92,68 @@ def test_a_frozen_parameter_reads_as_no_state_like_torch():
         assert len(opt.state_dict()["state"]) == 3
     finally:
         opt.close()
+
+
+@pytest.mark.parametrize("k", [1, 2])
+def test_state_reads_after_the_windows_last_backward_began_raise_until_step(k):
+    """opt.state read between the window's last backward and step() gave the values after the
+    step (full offload applies it during that backward), where torch's optimizer shows those
+    before it, and an in-place write through it acted on the stepped state: refused now, as
+    assignment is. In the middle of an accumulation window a read is torch's and allowed."""
+    torch.manual_seed(2)
+    model = nn.Sequential(nn.Linear(8, 16), nn.GELU(), nn.Linear(16, 4))
+    opt = _full(model.parameters(), grad_accum_steps=k)
+    w, x = model[0].weight, torch.randn(3, 8).to(torch.bfloat16)
+    try:
+        model(x).float().sum().backward()
+        if k == 2:  # the middle of the window: nothing stepped yet
+            assert float(opt.state[w]["step"]) == 0 and not opt.state[w]["exp_avg"].any()
+            seen = {}
+
+            def peek(_):  # a read inside the window's last backward
+                with pytest.raises(RuntimeError, match="in a backward pass: full offload applies"):
+                    opt.state[w]["exp_avg"]
+                seen["hook"] = True
+
+            handle = model[2].weight.register_hook(peek)
+            model(x).float().sum().backward()
+            handle.remove()
+            assert seen
+        for key in ("step", "master", "exp_avg", "exp_avg_sq"):
+            with pytest.raises(RuntimeError, match=rf"reading opt.state\[.*\]\['{key}'\] after the window's last "
+                                                   r"backward pass, before step\(\): .* call it after step\(\)"):
+                opt.state[w][key]
+        opt.step()
+        assert float(opt.state[w]["step"]) == 1 and opt.state[w]["exp_avg"].any()
+    finally:
+        opt.close()
+
+
+def test_state_reads_after_step_land_the_overlapped_step_first(monkeypatch):
+    """With overlap_forward, step() returns while the worker still steps the last chunks: a
+    read of opt.state then gave the state before the step (step count one short) without a
+    word, and a write through it was overwritten by the step. A read lands the step first."""
+    from helpers import Gate, batches, build
+
+    gate = Gate(monkeypatch)
+    model, opt = build("adamw")
+    off = cpu_offload.offload_optimizer(opt, offload="full", overlap_forward=model, pinned_bytes=1 << 20, num_slots=8)
+    w = model.l1.weight
+    try:
+        for s in range(3):
+            ((x, extra),) = batches(s, 1)
+            loss = model(x.to(torch.bfloat16), use_extra=extra).float().pow(2).mean()
+            if s == 2:
+                off.wait_for_weights()
+                gate.close()  # the last step's kernels wait until something waits for them
+            loss.backward()
+            off.step()
+            off.zero_grad()
+        assert off._proto.landing  # step() returned with the step in flight
+        entry = off.state[w]
+        assert float(entry["step"]) == 3
+        entry["exp_avg"].zero_()  # a moment reset after step(), through the view
+        off.wait_for_weights()
+        assert float(off.state[w]["step"]) == 3 and not off.state[w]["exp_avg"].any()
+    finally:
+        off.close()
