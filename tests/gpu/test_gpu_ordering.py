@@ -9,6 +9,7 @@ import torch
 import torch.nn as nn
 
 from cpu_offload import offload_optimizer
+from helpers import records_of
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
 
@@ -40,12 +41,14 @@ class Net(nn.Module):
 
 
 def fresh_forward(opt, model, x):
-    """The forward with compute weights rebuilt from the host masters."""
+    """The forward with compute weights rebuilt from the host masters (read from the records:
+    ``opt.state`` refuses reads between the window's last backward and step())."""
     torch.cuda.synchronize()
     ref = Net().cuda().to(torch.bfloat16)
+    masters = {id(r.param): r.master for r in records_of(opt)}
     with torch.no_grad():
         for p, q in zip(model.parameters(), ref.parameters()):
-            q.copy_(opt.state[p]["master"].to(torch.bfloat16))
+            q.copy_(masters[id(p)].view(p.shape).to(torch.bfloat16))
     return ref(x)
 
 
