@@ -142,7 +142,9 @@ class StateEntry:
 
     ``entry[key] = value`` copies ``value`` into the host state (any device or
     float dtype; the moments are rounded to their stored dtype); ``"master"``
-    also refreshes the compute copy, ``"step"`` sets the step count.
+    also refreshes the compute copy, ``"step"`` sets the step count. Both go through
+    the optimizer's guards: a write between steps only, a read once the last step landed
+    and not while the window's step is applied before step().
 
     NOTE: deliberately neither a Mapping nor a MutableMapping (see the header:
     Lightning's device move leaves such values alone).
