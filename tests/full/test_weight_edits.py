@@ -45,6 +45,13 @@ def with_masters(before, off, model, values):
     return out
 
 
+def assert_same_snapshot(a, b, where):
+    """Two ``snapshot``s equal bit for bit."""
+    for name in a:
+        for x, y in zip(a[name], b[name]):
+            assert (x is y is None) or (torch.equal(x, y) if torch.is_tensor(x) else x == y), (where, name)
+
+
 def names_in(message, off, model) -> set:
     """The parameters whose record names (``param_groups[g][i]``) ``message`` quotes."""
     return {n for n, rec in named(model, off).items() if repr(rec.name) in message}
@@ -158,8 +165,7 @@ def test_an_edit_and_a_late_learning_rate_raise_after_the_redo():
         check_weights_are_rounded_masters(model, off)
         states[edited] = snapshot(off)
         off.close()
-    for name, (a, b) in ((n, (states[False][n], states[True][n])) for n in states[False]):
-        assert all(x is y is None or x == y if not torch.is_tensor(x) else torch.equal(x, y) for x, y in zip(a, b)), name
+    assert_same_snapshot(states[True], states[False], "redone")
 
 
 @pytest.mark.parametrize("max_grad_norm", [None, 1e6])
@@ -255,9 +261,28 @@ def test_a_ctrl_c_anywhere_in_step_with_an_edit_pending_leaves_the_same_state(si
             off.close()
             break
         assert isinstance(raised, KeyboardInterrupt), (k, raised)
-        got = step_and_train(model, off, raised)
-        for name, values in want.items():
-            for a, b in zip(got[name], values):
-                assert torch.equal(a, b) if torch.is_tensor(a) else a == b, (where, k, name)
+        assert_same_snapshot(step_and_train(model, off, raised), want, (where, k))
         off.close()
     assert k > 20, k
+
+
+def test_a_model_cast_between_the_last_backward_and_step_is_refused_before_anything_changes():
+    """``model.float()`` between the window's last backward and step(): step() raises, naming the
+    parameter, and changes nothing; cast back, the same step() finishes as without the cast."""
+    states = {}
+    for cast in (False, True):
+        model, off, grads = warm_up("adamw", 1)
+        train_step(model, off, 1, 1)
+        if cast:
+            before, weights = snapshot(off), [p.detach().clone() for p in model.parameters()]
+            model.float()
+            with pytest.raises(TypeError, match=r"compute copy of param_groups\[\d\]\[\d\] is now torch.float32"):
+                off.step()
+            assert_same_snapshot(snapshot(off), before, "refused")
+            for p, was in zip(model.parameters(), weights):
+                p.data = was
+        off.step()
+        check_weights_are_rounded_masters(model, off)
+        states[cast] = snapshot(off)
+        off.close()
+    assert_same_snapshot(states[True], states[False], "cast back")
