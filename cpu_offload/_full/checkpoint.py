@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import torch
 
+from cpu_offload._full.host_state import write_compute_copies
 from cpu_offload._full.options import read_hparams
 from cpu_offload._full.state_mapping import HOST_STATE_KEPT, host_value, saved_entry, step_value
 
@@ -177,8 +178,6 @@ def load_state_dict(opt, sd: dict) -> None:
                 if src.data_ptr() != flat.data_ptr():  # DCP may have loaded into our own views
                     flat.copy_(src)
         _load_groups(opt, sd["param_groups"])
-        for rec in opt._records:
-            local = rec.local()
-            local.view(-1).copy_(rec.master.to(local.dtype))  # compute copy <- round(master)
+        write_compute_copies(opt._records)
     opt._validator.predicted = factor
     opt._validator.predicted_late_hparams = late

@@ -21,7 +21,7 @@ from cpu_offload._common.dtensor import is_dtensor, local_of
 __all__ = [
     "ParamRecord", "HostBuffers", "collect_records", "check_fsdp_not_started", "host_bytes_needed",
     "available_host_ram", "check_host_ram", "allocate_host_state", "cast_param", "cast_to_compute", "restore_dtypes",
-    "note_versions", "adopt_external_weights", "adopt_edits_before_step", "undo_edits",
+    "note_versions", "adopt_external_weights", "adopt_edits_before_step", "write_compute_copies",
 ]
 
 # Elements per 64-byte line of fp32: every per-parameter view starts aligned.
@@ -377,10 +377,11 @@ def adopt_edits_before_step(records: Iterable[ParamRecord]) -> list[ParamRecord]
     return late
 
 
-def undo_edits(records: Iterable[ParamRecord]) -> None:
-    """Write round(master) back over each record's changed compute copy."""
+def write_compute_copies(records: Iterable[ParamRecord]) -> None:
+    """Each record's compute copy <- round(master) (rounded on the host); note the versions."""
     records = list(records)
     with torch.no_grad():
         for rec in records:
-            rec.local().detach().view(-1).copy_(rec.master)
+            local = rec.local()
+            local.detach().view(-1).copy_(rec.master.to(local.dtype))
     note_versions(records)

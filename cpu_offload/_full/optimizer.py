@@ -41,7 +41,7 @@ from cpu_offload._common.backward_end import NextForwardHook, outside_backward, 
 from cpu_offload._full.host_state import (
     adopt_edits_before_step, adopt_external_weights, allocate_host_state, allocate_retained, available_host_ram,
     cast_to_compute, check_fsdp_not_started, check_host_ram,
-    collect_records, host_bytes_needed, note_versions, restore_dtypes, undo_edits,
+    collect_records, host_bytes_needed, note_versions, restore_dtypes, write_compute_copies,
 )
 from cpu_offload._common.dtensor import local_of
 from cpu_offload._full.dtype_hint import watch_first_forward
@@ -665,7 +665,7 @@ class FullCPUOffloadOptimizer(WindowControls, torch.optim.Optimizer):
             self._finish_step(passes, t0, blocked_before, current)
             if late_edits:
                 # NOTE: raised inside the block: a Ctrl-C held back here is raised with it as context
-                undo_edits(late_edits)
+                write_compute_copies(late_edits)  # the edits are undone
                 self._pipeline.trace.mark("step_end")
                 raise RuntimeError(
                     f"cpu_offload: {[r.name for r in late_edits][:8]} changed in place after the window's last "

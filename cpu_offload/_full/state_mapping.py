@@ -48,7 +48,7 @@ from typing import Callable
 import torch
 
 from cpu_offload._common.dtensor import as_dtensor_like, local_of
-from cpu_offload._full.host_state import ParamRecord, note_versions
+from cpu_offload._full.host_state import ParamRecord, write_compute_copies
 
 __all__ = ["SavedEntry", "StateEntry", "NoState", "StateMapping", "HOST_STATE_KEPT", "for_device_placement", "host_value",
            "step_value"]
@@ -184,9 +184,7 @@ class StateEntry:
             if src.data_ptr() != flat.data_ptr() or src.device != flat.device:
                 flat.copy_(src)
             if key == "master":  # NOTE: the compute copy is always round(master)
-                local = rec.local()
-                local.view(-1).copy_(rec.master.to(local.dtype))
-                note_versions([rec])
+                write_compute_copies([rec])
 
     def __delitem__(self, key) -> None:
         raise TypeError(f"opt.state[{self._rec.name}][{key!r}] cannot be deleted: full offload's host state is fixed")

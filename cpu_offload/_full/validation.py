@@ -41,7 +41,7 @@ from typing import Callable, Optional
 import torch
 
 from cpu_offload._full.grad_norms import clip_coefficient, local_norm, total_norm
-from cpu_offload._full.host_state import note_versions
+from cpu_offload._full.host_state import note_versions, write_compute_copies
 from cpu_offload._common.interrupts import deferred_interrupts
 from cpu_offload._full.rollback import rollback_adamw_pieces_, rollback_sign_sgd_pieces_
 
@@ -249,11 +249,8 @@ class StepValidator:
     def _skip(self) -> None:
         self._settle_chunks()
         with deferred_interrupts():  # NOTE: all or nothing, as in apply()
-            recs = self._rollback(self.pipeline.stepped)
-            with torch.no_grad():
-                for rec in recs:  # the device got the rolled-back step's weights: send the old ones
-                    rec.local().detach().view(-1).copy_(rec.master)
-            note_versions(recs)
+            # the device got the rolled-back step's weights: send the old ones
+            write_compute_copies(self._rollback(self.pipeline.stepped))
         self.skipped = True
         self.skipped_steps += 1
         now = time.monotonic()

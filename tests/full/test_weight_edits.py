@@ -14,7 +14,8 @@ import pytest
 import torch
 
 from cpu_offload._full.optimizer import FullCPUOffloadOptimizer
-from helpers import SMALL, batches, build, capture, check_stepped_once, named, sigint_at_line, snapshot, train_step
+from helpers import (SMALL, assert_bit_equal, batches, build, capture, check_stepped_once, named, sigint_at_line,
+                     snapshot, train_step)
 
 EDITED = ("l2.weight", "l1.bias")
 
@@ -43,13 +44,6 @@ def with_masters(before, off, model, values):
         _, exp_avg, exp_avg_sq, step = before[rec.name]
         out[rec.name] = (v.float().reshape(-1), exp_avg, exp_avg_sq, step)
     return out
-
-
-def assert_same_snapshot(a, b, where):
-    """Two ``snapshot``s equal bit for bit."""
-    for name in a:
-        for x, y in zip(a[name], b[name]):
-            assert (x is y is None) or (torch.equal(x, y) if torch.is_tensor(x) else x == y), (where, name)
 
 
 def names_in(message, off, model) -> set:
@@ -165,7 +159,7 @@ def test_an_edit_and_a_late_learning_rate_raise_after_the_redo():
         check_weights_are_rounded_masters(model, off)
         states[edited] = snapshot(off)
         off.close()
-    assert_same_snapshot(states[True], states[False], "redone")
+    assert_bit_equal(states[True], states[False], "redone")
 
 
 @pytest.mark.parametrize("max_grad_norm", [None, 1e6])
@@ -261,7 +255,7 @@ def test_a_ctrl_c_anywhere_in_step_with_an_edit_pending_leaves_the_same_state(si
             off.close()
             break
         assert isinstance(raised, KeyboardInterrupt), (k, raised)
-        assert_same_snapshot(step_and_train(model, off, raised), want, (where, k))
+        assert_bit_equal(step_and_train(model, off, raised), want, f"{where}, line {k}")
         off.close()
     assert k > 20, k
 
@@ -278,11 +272,11 @@ def test_a_model_cast_between_the_last_backward_and_step_is_refused_before_anyth
             model.float()
             with pytest.raises(TypeError, match=r"compute copy of param_groups\[\d\]\[\d\] is now torch.float32"):
                 off.step()
-            assert_same_snapshot(snapshot(off), before, "refused")
+            assert_bit_equal(snapshot(off), before, "refused")
             for p, was in zip(model.parameters(), weights):
                 p.data = was
         off.step()
         check_weights_are_rounded_masters(model, off)
         states[cast] = snapshot(off)
         off.close()
-    assert_same_snapshot(states[True], states[False], "cast back")
+    assert_bit_equal(states[True], states[False], "cast back")
