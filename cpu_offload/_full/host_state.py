@@ -378,7 +378,7 @@ def adopt_edits_before_step(records: Iterable[ParamRecord]) -> list[ParamRecord]
 
 
 def write_compute_copies(records: Iterable[ParamRecord]) -> None:
-    """Each record's compute copy <- round(master) (rounded on the host); note the versions."""
+    """Each record's compute copy <- round(master), rounded where the master lives; note the versions."""
     records = list(records)
     with torch.no_grad():
         for rec in records:
