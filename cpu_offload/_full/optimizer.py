@@ -644,13 +644,11 @@ class FullCPUOffloadOptimizer(WindowControls, torch.optim.Optimizer):
         # NOTE: read as torch's step() reads them: values set since the last backward began
         # make the step be redone with them (validation.py); a bad one raises before anything changes
         current = self._read_hparams()
-        if self._proto.phase is Phase.IDLE:
-            # NOTE: after zero_grad(set_to_none=False) torch's step() steps every parameter
-            # holding a gradient, here zeros, though no backward ran: a window of no passes.
-            # (After a step() and no zero_grad, torch would step its kept gradients again:
-            # they are not kept here, so that step() does nothing; README.)
-            adopt_external_weights(self._records)
         late_edits = self._take_edits_before_step()
+        # NOTE: IDLE here: after zero_grad(set_to_none=False) torch's step() steps every parameter
+        # holding a gradient, here zeros, though no backward ran: a window of no passes.
+        # (After a step() and no zero_grad, torch would step its kept gradients again:
+        # they are not kept here, so that step() does nothing; README.)
         if self._proto.phase in (Phase.IDLE, Phase.ACCUMULATING):  # a short window
             # NOTE: a Ctrl-C while the window completes is delivered once it has: raised in
             # between, it aborted the window (the parameters not yet stepped lost the step)
@@ -684,8 +682,8 @@ class FullCPUOffloadOptimizer(WindowControls, torch.optim.Optimizer):
         NOTE: with overlap_forward, while the window's weights may still be on their way
         (wait_for_weights() not called), a version change is no sign of an edit: nothing is
         checked then (an edit may be overwritten, docs/full-offload.md)."""
-        phase = self._proto.phase
-        if phase is Phase.ACCUMULATING or (phase is Phase.APPLIED and (self._proto.landed or not self._overlap)):
+        if self._proto.phase is not Phase.APPLIED or self._proto.landed or not self._overlap:
+            # NOTE: device records take theirs when they are stepped (_step_device_state)
             return adopt_edits_before_step([r for r in self._records if not r.on_device])
         return []
 
