@@ -112,6 +112,20 @@ def _unhook(records, handles) -> None:
     ownership.release(rec.param for rec in records)
 
 
+# Why the state cannot be read or saved between the window's last backward and step().
+_STEP_APPLIED = ("full offload applies the step's update during the window's last backward, so the state is (partly) "
+                 "the step's already, where torch's optimizer would show the one before it; call it after step()")
+
+
+def _late_edits_error(records, call: str) -> RuntimeError:
+    """The error for weights changed in place after their update ran in the window's last backward."""
+    return RuntimeError(
+        f"cpu_offload: {[r.name for r in records][:8]} changed in place after the window's last backward pass and "
+        f"before {call}; with offload='full' that backward had already applied their update, so it could not update "
+        "the changed weights as torch's step() would. The change was undone: the weights are this step's result. "
+        "Change weights after step(), or before the window's last backward pass")
+
+
 def _param_ids(param_groups) -> list:
     """The identity of each group's parameters, in order. NOTE: the wrapped parameters stay
     alive (the wrapper holds each one), so no other object can take one of their ids."""
@@ -654,7 +668,11 @@ class FullCPUOffloadOptimizer(WindowControls, torch.optim.Optimizer):
             # between, it aborted the window (the parameters not yet stepped lost the step)
             # and the step() made again found nothing to do.
             with deferred_interrupts():
-                self._pipeline.begin_backward(micro=self._proto.micro, final=True, hparams=current)
+                # NOTE: held back (deferred): every gradient is on the host already, so the
+                # window is stepped once, with its final factor (max_grad_norm, the non-finite
+                # guard), never speculatively and rolled back
+                self._pipeline.begin_backward(micro=self._proto.micro, final=True, hparams=current, speculative=True,
+                                              deferred=True)
                 self._proto.final = True
                 self._complete_window()
         # NOTE: a Ctrl-C during the rollback and redo is delivered once the step is complete
@@ -665,12 +683,7 @@ class FullCPUOffloadOptimizer(WindowControls, torch.optim.Optimizer):
                 # NOTE: raised inside the block: a Ctrl-C held back here is raised with it as context
                 write_compute_copies(late_edits)  # the edits are undone
                 self._pipeline.trace.mark("step_end")
-                raise RuntimeError(
-                    f"cpu_offload: {[r.name for r in late_edits][:8]} changed in place after the window's last "
-                    "backward pass and before step(); with offload='full' that backward had already applied their "
-                    "update, so step() could not update the changed weights as torch would. The change was undone: "
-                    "the weights are this step's result. Change weights after step(), or before the window's last "
-                    "backward pass")
+                raise _late_edits_error(late_edits, "step()")
         self._pipeline.trace.mark("step_end")
         return loss
 
@@ -805,20 +818,13 @@ class FullCPUOffloadOptimizer(WindowControls, torch.optim.Optimizer):
             self._drop_window(set_to_none)
 
     def _drop_window(self, set_to_none: bool) -> None:
+        late_edits = []
         if self._proto.phase is Phase.ACCUMULATING:
             self._close_window(abandoned=True)
         elif self._proto.phase is Phase.IDLE:
             self._validator.open_window()  # a factor announced for the window being dropped
         elif self._proto.phase is Phase.APPLIED:
-            self._guarded(self._validator.apply)
-            self._guarded(self._step_device_state)
-            self._guarded(lambda: land_window(self._records, self._pipeline, self._transfer))
-            self._close_window()
-        if self._proto.phase is Phase.APPLIED and not self._proto.warned_zero_grad:
-            self._proto.warned_zero_grad = True
-            warnings.warn("cpu_offload: zero_grad() without step() after a window's last backward pass: full "
-                          "offload applied that update during backward; it stays applied and counts as a step",
-                          RuntimeWarning, stacklevel=_user_stacklevel())
+            late_edits = self._close_without_step("zero_grad()")
         self._proto.move(Phase.IDLE)
         self._proto.zero_fill = self._proto.zeroed = not set_to_none
         if set_to_none:
@@ -831,6 +837,26 @@ class FullCPUOffloadOptimizer(WindowControls, torch.optim.Optimizer):
                         p.grad = None
                     else:
                         p.grad.detach_().zero_()
+        if late_edits:  # NOTE: raised inside zero_grad()'s deferred-interrupt block, as in step()
+            raise _late_edits_error(late_edits, "zero_grad()")
+
+    def _close_without_step(self, call: str) -> list:
+        """``call`` (zero_grad(), close()) after the window's last backward, with no step():
+        the update that backward applied stays applied and counts, and the window closes as
+        step() closes it, with the hyper-parameters of that backward. Returns the host records
+        changed in place after their update ran, their change undone (the caller raises)."""
+        late_edits = self._take_edits_before_step()
+        self._guarded(self._validator.apply)
+        self._guarded(self._step_device_state)
+        self._guarded(lambda: land_window(self._records, self._pipeline, self._transfer))
+        self._close_window()
+        write_compute_copies(late_edits)
+        if not self._proto.warned_zero_grad:
+            self._proto.warned_zero_grad = True
+            warnings.warn(f"cpu_offload: {call} without step() after a window's last backward pass: full offload "
+                          "applied that update during backward; it stays applied and counts as a step",
+                          RuntimeWarning, stacklevel=_user_stacklevel())
+        return late_edits
 
     def add_param_group(self, param_group) -> None:
         raise RuntimeError(
@@ -848,8 +874,8 @@ class FullCPUOffloadOptimizer(WindowControls, torch.optim.Optimizer):
 
     def state_dict(self) -> dict:
         self._check_between_steps("state_dict()")
-        with deferred_interrupts():  # NOTE: as in step()
-            self._guarded(self._validator.apply)  # a pending clip belongs to the saved step
+        if self._proto.phase is Phase.APPLIED:
+            raise RuntimeError(f"state_dict() {Phase.APPLIED.value}: {_STEP_APPLIED}")
         adopt_external_weights(self._records)
         host_state = not for_device_placement()  # accelerate's set-up round trip moves nothing
         return state_dict_with_hooks(self, lambda: checkpoint.state_dict(self, host_state=host_state))
@@ -929,9 +955,7 @@ class FullCPUOffloadOptimizer(WindowControls, torch.optim.Optimizer):
         self._enter()
         phase = self._proto.phase
         if phase is Phase.APPLIED or (phase is Phase.BACKWARD and self._proto.final):
-            raise RuntimeError(f"{what} {phase.value}: full offload applies the step's update during the window's "
-                               "last backward, so the state is (partly) the step's already, where torch's optimizer "
-                               "would show the one before it; call it after step()")
+            raise RuntimeError(f"{what} {phase.value}: {_STEP_APPLIED}")
 
     def _check_between_steps(self, what: str) -> None:
         self._enter()
@@ -945,12 +969,19 @@ class FullCPUOffloadOptimizer(WindowControls, torch.optim.Optimizer):
         """Remove the hooks, stop the worker and free the staging rings. Idempotent."""
         if self._proto.phase is Phase.CLOSED:
             return
+        late_edits = []
         try:
             self._land()  # NOTE: the last step's weights land before the worker stops
+            if self._proto.phase is Phase.APPLIED:  # NOTE: the device records take the update too
+                with deferred_interrupts():
+                    late_edits = self._close_without_step("close()")
+                    self._proto.move(Phase.IDLE)
         finally:
             self._proto.move(Phase.CLOSED)
             release_optimizer(self)
             self._finalizer()
+        if late_edits:
+            raise _late_edits_error(late_edits, "close()")
 
     def __repr__(self) -> str:
         return (f"FullCPUOffloadOptimizer({type(self.optimizer).__name__}, grad_accum_steps={self.grad_accum_steps}, "

@@ -128,6 +128,9 @@ class StepValidator:
                     for rec in self.window_records():
                         rec.accum.mul_(coef)
                 self._norms.clear()
+            # NOTE: also the factor the next window speculates with: a clip before step() in a
+            # short window (a framework's last one of an epoch) comes after its last backward
+            self.late *= self.clip_coef
         else:
             self.rescale(self.clip_coef, late=late)
         return total

@@ -6,6 +6,7 @@
 # budget picks parameters spread evenly over the optimizer's order; checkpoints load across
 # splits; bad values are refused.
 import math
+import warnings
 
 import pytest
 import torch
@@ -435,3 +436,64 @@ def test_a_weight_edited_between_the_last_backward_and_step_is_what_a_device_rec
     assert torch.equal(rec.master, master) and torch.equal(rec.exp_avg_sq, exp_avg_sq)
     assert torch.equal(model.l1.weight.detach().reshape(-1), master.to(torch.bfloat16))
     off.close()
+
+
+def window_without_step(gpu_state, call, *, clipped_before=False):
+    """Two steps (the second clipped when ``clipped_before``: the window after it holds its
+    chunks back until it closes), a last backward, then ``call(model, off)``; returns the
+    model, the wrapper and every parameter's master, step and weight after it."""
+    model, opt = build("adamw")
+    off = FullCPUOffloadOptimizer(opt, gpu_state=gpu_state, **SMALL)
+    for s in range(2):
+        train_step(model, off, s, 1)
+        if clipped_before and s == 1:
+            off.clip_grad_norm_(1e-3)
+        off.step()
+        off.zero_grad()
+    train_step(model, off, 2, 1)
+    call(model, off)
+    return model, off, {n: (r.master.cpu().clone(), r.step, r.param.detach().clone())
+                        for n, r in named(model, off).items()}
+
+
+@pytest.mark.parametrize("clipped_before", [False, True])
+def test_close_after_the_last_backward_completes_the_step_for_every_split(clipped_before):
+    """close() without step() after a window's last backward: the host records had the update
+    during backward and kept it, the device records were left without it, so the model ended
+    half updated, the split deciding which half, with no word. close() now closes the window
+    as zero_grad() does: every parameter takes the update, bit for bit as step() gives it."""
+    for gpu_state in (HALF_STATE, None):
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            _, off, got = window_without_step(gpu_state, lambda model, off: off.close(), clipped_before=clipped_before)
+        assert gpu_state is None or 0 < sum(r.on_device for r in records_of(off)) < len(records_of(off))
+        *_, want = window_without_step(gpu_state, lambda model, off: off.step(), clipped_before=clipped_before)
+        assert want["l1.weight"][1] == want["l2.bias"][1] == 3  # the window's update counts
+        for n, (master, step, weight) in want.items():
+            assert step == got[n][1] and torch.equal(master, got[n][0]) and torch.equal(weight, got[n][2]), n
+        assert [str(w.message) for w in caught if "close() without step()" in str(w.message)], gpu_state
+
+
+@pytest.mark.parametrize("clipped_before", [False, True])
+@pytest.mark.parametrize("gpu_state", [None, HALF_STATE], ids=["host", "half_on_the_device"])
+def test_state_dict_between_the_last_backward_and_step_raises_and_changes_nothing(gpu_state, clipped_before):
+    """opt.state_dict() after the window's last backward and before step() saved the host
+    records' state after the step and the device records' before it (a resume lost one step
+    of those only); in the window after a clipped step it stepped the held-back chunks at once,
+    so a clip made after it took a rollback of 1e-3 and changed the training; and an edit made
+    before it escaped step()'s check. It now raises, as a read of opt.state does there, and
+    the step then comes out bit for bit as without the call."""
+    def then_step(model, off):
+        off.clip_grad_norm_(1e-3)
+        off.step()
+
+    def state_dict_then_step(model, off):
+        with pytest.raises(RuntimeError, match=r"state_dict\(\) after the window's last backward pass, before "
+                                               r"step\(\).*call it after step\(\)"):
+            off.state_dict()
+        then_step(model, off)
+
+    *_, want = window_without_step(gpu_state, then_step, clipped_before=clipped_before)
+    *_, got = window_without_step(gpu_state, state_dict_then_step, clipped_before=clipped_before)
+    for n, (master, step, weight) in want.items():
+        assert step == got[n][1] and torch.equal(master, got[n][0]) and torch.equal(weight, got[n][2]), n

@@ -123,6 +123,50 @@ def test_an_edit_after_the_last_backward_stepped_raises_in_step_and_is_undone(k)
     off.close()
 
 
+@pytest.mark.filterwarnings("ignore:cpu_offload. zero_grad.. without step")
+@pytest.mark.parametrize("k", [1, 2])
+def test_an_edit_after_the_last_backward_then_zero_grad_raises_and_is_undone(k):
+    """zero_grad() without step() keeps the update the last backward applied. An edit made
+    in between was taken for the library's own write: the weight stayed the edit while its
+    master held the step's result, and the next step wrote the master over it, without a
+    word. zero_grad() now closes the window as step() does: the edit is undone and it raises."""
+    model, off, grads = warm_up("adamw", k)
+    before = snapshot(off)
+    train_step(model, off, 1, k)
+    edit(model)
+    with pytest.raises(RuntimeError, match="changed in place after the window's last backward") as info:
+        off.zero_grad()
+    assert names_in(str(info.value), off, model) == set(EDITED) and "zero_grad()" in str(info.value)
+    check_stepped_once(model, off, before, grads, 1.0, "after the raise")
+    check_weights_are_rounded_masters(model, off)
+    grads.clear()
+    before = snapshot(off)
+    train_step(model, off, 2, k)
+    off.step()
+    check_stepped_once(model, off, before, grads, 1.0, "the next step")
+    off.close()
+
+
+@pytest.mark.filterwarnings("ignore:cpu_offload. zero_grad.. without step")
+def test_an_edit_in_a_held_back_window_then_zero_grad_is_the_weight_the_step_updates():
+    """In the window after a clipped step nothing is stepped until the window closes:
+    zero_grad() closes it as step() does, so the step updates the edited weights."""
+    model, off, grads = warm_up("adamw", 1)
+    train_step(model, off, 1, 1)
+    off.clip_grad_norm_(1e-3)
+    off.step()
+    off.zero_grad()
+    grads.clear()
+    before = snapshot(off)
+    train_step(model, off, 2, 1)
+    assert not any(rec.pieces_done for rec in named(model, off).values())
+    before = with_masters(before, off, model, edit(model))
+    off.zero_grad()
+    check_stepped_once(model, off, before, grads, 1.0, "held back, zero_grad()")
+    check_weights_are_rounded_masters(model, off)
+    off.close()
+
+
 def test_an_edit_after_the_last_backward_of_a_parameter_it_did_not_step_is_kept():
     """A parameter without a gradient in the window is not stepped (as in torch): an edit of
     it before step() is its new weight, with no error."""
