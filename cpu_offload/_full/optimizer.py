@@ -219,6 +219,9 @@ class FullCPUOffloadOptimizer(WindowControls, torch.optim.Optimizer):
         max_grad_norm = check_clipping_options(max_grad_norm=max_grad_norm, skip_nonfinite=skip_nonfinite,
                                                grad_copy=grad_copy)
         read_hparams(optimizer.param_groups, self._algorithm, bf16_moments=self._bf16_moments)
+        # NOTE: the state of an optimizer that has stepped (or loaded a checkpoint) carries over,
+        # as a load of its state_dict would; read now, before the weights are cast
+        carried = optimizer.state_dict() if optimizer.state else None
         check_gpu_state(gpu_state)
         keep = check_keep_fp32(keep_fp32, optimizer)
         trace = trace_from_env()
@@ -371,6 +374,13 @@ class FullCPUOffloadOptimizer(WindowControls, torch.optim.Optimizer):
                 if any(dtype.itemsize > compute_dtype.itemsize for dtype in originals.values()):
                     self._dtype_hint = watch_first_forward(compute_dtype)  # explains the dtype error of fp32 inputs
                     handles.append(self._dtype_hint)
+                if carried is not None:
+                    try:  # the masters: the weights before the cast
+                        checkpoint.load_state_dict(self, carried)
+                    except (TypeError, ValueError) as e:
+                        raise type(e)(f"the wrapped optimizer's state cannot be carried over: {e}") from None
+                    # NOTE: the torch optimizer's own copy would hold device memory full offload frees
+                    optimizer.state.clear()
                 self._proto.move(Phase.IDLE)
         except BaseException:
             self._abort_construction(records, originals, handles)

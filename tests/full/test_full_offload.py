@@ -92,6 +92,65 @@ def test_state_dict_format():
         off.load_state_dict({"state": {}, "param_groups": sd["param_groups"][:1]})
 
 
+@pytest.mark.parametrize("compute_dtype", [torch.bfloat16, torch.float32])
+def test_wrapping_an_optimizer_that_holds_state_carries_the_state_over(compute_dtype):
+    """An AdamW that has stepped (a warm-up without offload, or a checkpoint loaded before
+    wrapping) was wrapped from step 0 with zero moments, without a word: its next step was a
+    first step. Its state now carries over, exactly as loading its state_dict into a fresh
+    wrapper does, with the masters taken from the fp32 weights before the cast; the torch
+    optimizer's own copy is dropped, as full offload keeps the state on the host."""
+    def warmed_up():
+        model, opt = build("adamw")
+        for s in range(2):
+            for x, extra in batches(s, 1):
+                model(x, use_extra=extra).float().pow(2).mean().backward()
+            opt.step()
+            opt.zero_grad()
+        return model, opt
+
+    model, opt = warmed_up()
+    weights = {n: p.detach().clone() for n, p in model.named_parameters()}
+    saved = copy.deepcopy(opt.state_dict())
+    carried = FullCPUOffloadOptimizer(opt, compute_dtype=compute_dtype, **SMALL)
+    fresh_model, fresh = build("adamw")
+    fresh_model.load_state_dict(weights)
+    loaded = FullCPUOffloadOptimizer(fresh, compute_dtype=compute_dtype, **SMALL)
+    loaded.load_state_dict(saved)
+    for n, rec in named(model, carried).items():
+        entry = saved["state"].get(rec.index)
+        assert rec.step == (0 if entry is None else int(entry["step"])), n
+        assert torch.equal(rec.master, weights[n].reshape(-1)), n  # the fp32 weights, not rounded
+        if entry is not None:
+            assert torch.equal(rec.exp_avg, entry["exp_avg"].reshape(-1)), n
+            assert torch.equal(rec.exp_avg_sq, entry["exp_avg_sq"].reshape(-1)), n
+    assert named(model, carried)["l1.weight"].step == 2
+    assert not opt.state  # NOTE: the inner optimizer's own tensors are dropped
+    for off, m in ((carried, model), (loaded, fresh_model)):
+        for s in range(2, 4):
+            for x, extra in batches(s, 1):
+                m(x.to(compute_dtype), use_extra=extra).float().pow(2).mean().backward()
+            off.step()
+            off.zero_grad()
+    for n, rec in named(model, carried).items():
+        other = named(fresh_model, loaded)[n]
+        assert rec.step == other.step and torch.equal(rec.master, other.master), n
+        assert torch.equal(rec.exp_avg_sq, other.exp_avg_sq), n
+    carried.close()
+    loaded.close()
+
+
+def test_a_state_that_cannot_be_carried_over_is_refused_and_leaves_everything_as_it_was():
+    model, opt = build("adamw")
+    opt.state[model.l2.weight] = {"step": torch.tensor(3.0), "exp_avg": torch.zeros(7), "exp_avg_sq": torch.zeros(7)}
+    weights = {n: p.detach().clone() for n, p in model.named_parameters()}
+    with pytest.raises(ValueError, match=r"state cannot be carried over: .*local shape \(7,\), expected \(64, 64\)"):
+        FullCPUOffloadOptimizer(opt, **SMALL)
+    assert all(torch.equal(p, weights[n]) and p.dtype == torch.float32 for n, p in model.named_parameters())
+    assert opt.state[model.l2.weight]["exp_avg"].shape == (7,)
+    del opt.state[model.l2.weight]
+    FullCPUOffloadOptimizer(opt, **SMALL).close()  # nothing of the failed construction stays behind
+
+
 def test_stats_and_bounded_staging():
     model, off, _, _ = run("adamw", 1, 1, **SMALL)
     st = off.stats()
