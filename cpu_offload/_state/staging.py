@@ -46,6 +46,16 @@ def _on_grad(staging_ref):
     return hook
 
 
+def _versions(value: torch.Tensor):
+    """The counters that in-place writes to ``value`` bump, or None (an inference tensor keeps none)."""
+    # NOTE: an in-place op on a DTensor bumps the DTensor's counter, one through to_local() its
+    # local shard's (a plain tensor: one counter, twice). Writes through ``.data`` bump neither.
+    local = local_of(value)
+    if local.is_inference():
+        return None
+    return value._version, local._version
+
+
 def _remove_hooks(handles: dict) -> None:
     for handle in handles.values():
         handle.remove()
@@ -74,7 +84,7 @@ class StateStaging:
         self.host: dict = {}  # (id(param), key) -> host tensor (the local shard for DTensors)
         self.copies: dict = {}  # device -> CudaStateCopies | SyncStateCopies
         self.out_events: dict = {}  # id(param) -> event after the last copy-out of its state
-        self.prefetched: dict = {}  # id(param) -> {key: (host tensor, device copy)}
+        self.prefetched: dict = {}  # id(param) -> {key: (state value, its _versions, device copy)}
         self.overlap = WritebackOverlap()
         self.staged_bytes = 0  # bytes in ``prefetched``
         self.prefetch_failed = False  # a prefetch ran out of device memory: none until the next step
@@ -140,16 +150,17 @@ class StateStaging:
         self.watching = False
 
     def _entries(self, p: torch.Tensor) -> list:
-        """(key, value, host buffer) for each state tensor of ``p`` now in a host buffer."""
+        """(key, value, host tensor) for each state tensor of ``p`` now on the host: its host
+        buffer, or a host tensor the caller put in its place since the last step."""
         state = self.optimizer.state.get(p)
         if not state:
             return []
         entries = []
         for key, value in state.items():
-            if isinstance(value, torch.Tensor):
-                host = self.host.get((id(p), key))
-                if host is not None and local_of(value) is host:
-                    entries.append((key, value, host))
+            if isinstance(value, torch.Tensor) and (id(p), key) in self.host:
+                local = local_of(value)
+                if local.device.type == "cpu":
+                    entries.append((key, value, local))
         return entries
 
     def _engine(self, device: torch.device):
@@ -165,6 +176,9 @@ class StateStaging:
         nbytes = sum(_nbytes(host) for _, _, host in entries)
         if self.prefetch_bytes is not None and self.staged_bytes + nbytes > self.prefetch_bytes:
             return  # copied in by step()
+        versions = [_versions(value) for _, value, _ in entries]
+        if None in versions:
+            return  # copied in by step(): an edit could not be told
         engine = self._engine(local_of(p).device)
         try:
             devs = engine.copy_in([host for _, _, host in entries], after=self.out_events.get(id(p)))
@@ -173,7 +187,8 @@ class StateStaging:
             # the rest in, when the activations are gone.
             self.prefetch_failed = True
             return
-        self.prefetched[id(p)] = {key: (host, dev) for (key, _, host), dev in zip(entries, devs)}
+        self.prefetched[id(p)] = {key: (value, version, dev)
+                                  for (key, value, _), version, dev in zip(entries, versions, devs)}
         self.staged_bytes += nbytes
         self.h2d_bytes += nbytes
 
@@ -248,9 +263,12 @@ class StateStaging:
             staged = self.prefetched.pop(id(p), {})
             state = self.optimizer.state[p]
             for key, value, host in entries:
-                hit = staged.get(key)
-                if hit is not None and hit[0] is host:
-                    state[key] = as_dtensor_like(hit[1], value)
+                staged_value, version, dev = staged.get(key, (None, None, None))
+                # NOTE: the caller may have edited the state since this backward copied it in,
+                # through a reference taken before: a replaced tensor or dict, or an in-place
+                # write (a moved version counter), has it copied in again.
+                if staged_value is value and version == _versions(value):
+                    state[key] = as_dtensor_like(dev, value)
                     used += _nbytes(host)
                 else:
                     later.setdefault(local_of(p).device, []).append((state, key, value, host))
