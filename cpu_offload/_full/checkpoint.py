@@ -12,11 +12,13 @@
 
 from __future__ import annotations
 
+import warnings
+
 import torch
 
 from cpu_offload._full.host_state import write_compute_copies
 from cpu_offload._full.options import read_hparams
-from cpu_offload._full.state_mapping import HOST_STATE_KEPT, host_value, saved_entry, step_value
+from cpu_offload._full.state_mapping import HOST_STATE_KEPT, MASTER_STEP, host_value, saved_entry, step_value
 
 __all__ = ["state_dict", "load_state_dict", "SPECULATION_KEY", "LATE_HPARAMS_KEY"]
 
@@ -84,12 +86,20 @@ def _group_options(saved: dict) -> dict:
             if k not in ("params", "param_names", SPECULATION_KEY, LATE_HPARAMS_KEY, HOST_STATE_KEPT)}
 
 
-def _validate(opt, sd: dict) -> list:
+def _validate(opt, sd: dict) -> tuple:
     """Check the whole state_dict against the optimizer before anything is written.
 
-    Returns ``[(rec, step, {key: flat host tensor})]``; an entry missing from
+    Returns ``([(rec, step, {key: flat host tensor})], stale)``; an entry missing from
     ``state`` (never stepped in the saved run) gives step 0, zero moments and
-    the current master.
+    the current master. ``stale``: ``(rec, master step, step)`` of the entries whose
+    master is left out, as it belongs to another step count than the entry's.
+
+    NOTE: torch's optimizers keep state keys they do not know: a full-offload checkpoint
+    resumed without offload (a torch AdamW, or offload="optimizer") is saved again with
+    its masters as they were and the steps taken since, and a partial load in place
+    (torch.distributed.checkpoint's allow_partial_load) leaves the template's masters.
+    The master's own step count tells such a master from the step's; without it (an older
+    checkpoint) the master is taken.
     """
     if not isinstance(sd, dict) or "state" not in sd or "param_groups" not in sd:
         raise ValueError("state_dict must be a dict with 'state' and 'param_groups'")
@@ -98,7 +108,7 @@ def _validate(opt, sd: dict) -> list:
     saved_ids = [i for saved in saved_groups for i in saved["params"]]  # saved id of our index k
     state = sd["state"]
     moments = ("exp_avg", "exp_avg_sq") if opt._algorithm == "adamw" else ()
-    plan = []
+    plan, stale = [], []
     for rec in opt._records:
         saved_id = saved_ids[rec.index]
         entry = state.get(saved_id, state.get(str(saved_id)))
@@ -114,8 +124,14 @@ def _validate(opt, sd: dict) -> list:
                 tensors[key] = host_value(entry[key], f"{where}['{key}']", rec)
             elif key != "master":
                 raise ValueError(f"{where} ({rec.name}) has no '{key}'")
-        plan.append((rec, step_value(entry["step"], f"{where}['step']", rec), tensors))
-    return plan
+        step = step_value(entry["step"], f"{where}['step']", rec)
+        if "master" in tensors and MASTER_STEP in entry:
+            master_step = step_value(entry[MASTER_STEP], f"{where}['{MASTER_STEP}']", rec)
+            if master_step != step:
+                del tensors["master"]
+                stale.append((rec, master_step, step))
+        plan.append((rec, step, tensors))
+    return plan, stale
 
 
 def _saved_once(saved_groups, key: str, default):
@@ -160,7 +176,7 @@ def load_state_dict(opt, sd: dict) -> None:
         _validate_groups(opt, sd["param_groups"])
         _load_groups(opt, sd["param_groups"])  # the host state stayed where it is
         return
-    plan = _validate(opt, sd)
+    plan, stale = _validate(opt, sd)
     factor, late = _speculation(sd["param_groups"])
     with torch.no_grad():
         for rec, step, tensors in plan:
@@ -181,3 +197,11 @@ def load_state_dict(opt, sd: dict) -> None:
         write_compute_copies(opt._records)
     opt._validator.predicted = factor
     opt._validator.predicted_late_hparams = late
+    if stale:
+        rec, master_step, step = stale[0]
+        warnings.warn(
+            f"cpu_offload: the masters of {[r.name for r, *_ in stale][:8]} were saved at step {master_step}, but their "
+            f"state's step count is {step} (for {rec.name}): an optimizer without full offload stepped the weights since "
+            "and kept the masters as they were. They were not loaded: the model's current weights are the masters (load "
+            "the model's weights of the same checkpoint first)", RuntimeWarning,
+            stacklevel=opt._validator.stacklevel())

@@ -51,7 +51,7 @@ from cpu_offload._common.dtensor import as_dtensor_like, local_of
 from cpu_offload._full.host_state import ParamRecord, write_compute_copies
 
 __all__ = ["SavedEntry", "StateEntry", "NoState", "StateMapping", "HOST_STATE_KEPT", "for_device_placement", "host_value",
-           "step_value"]
+           "step_value", "MASTER_STEP"]
 
 # Param-group key of a state_dict that holds no state because the state stayed on the host.
 HOST_STATE_KEPT = "host_state_kept"
@@ -73,6 +73,7 @@ def for_device_placement() -> bool:
             and frame.f_globals.get("__name__") == "accelerate.optimizer")
 
 _HOST_KEYS = ("master", "exp_avg", "exp_avg_sq")
+MASTER_STEP = "master_step"  # the step count the saved master belongs to (checkpoint.py)
 
 
 def host_value(value, where: str, rec: ParamRecord) -> torch.Tensor:
@@ -129,10 +130,12 @@ def host_keys(rec: ParamRecord) -> tuple:
 
 
 def saved_entry(rec: ParamRecord) -> SavedEntry:
-    """A ``state_dict()`` entry: the step count (a new tensor) and views of the host buffers."""
+    """A ``state_dict()`` entry: the step count and the master's (new tensors, the same
+    number: checkpoint.py says why there are two) and views of the host buffers."""
     out = {"step": torch.tensor(float(rec.step), dtype=torch.float32)}
     for key in host_keys(rec):
         out[key] = as_dtensor_like(getattr(rec, key).view(rec.shape), rec.param)
+    out[MASTER_STEP] = torch.tensor(float(rec.step), dtype=torch.float32)
     return SavedEntry(out)
 
 

@@ -73,7 +73,7 @@ class StepValidator:
         self.from_host = grad_copy != "device"  # the redo reads the host accumulators or copies
         self.skip_nonfinite, self.max_grad_norm = skip_nonfinite, max_grad_norm
         self.tracking = skip_nonfinite or max_grad_norm is not None
-        self._stacklevel = stacklevel
+        self.stacklevel = stacklevel
         self.skipped_steps = 0
         self._warned_at = -math.inf
         self.predicted = 1.0  # the factor the last window was given after its last backward
@@ -241,7 +241,7 @@ class StepValidator:
             f"and stepped again with the new value, as torch would use it (a second pass over the state; while it goes on, "
             f"the steps wait for step() instead of overlapping backward). Set hyper-parameters before the "
             f"window's last backward (before its forward) to keep the step overlapped",
-            RuntimeWarning, stacklevel=self._stacklevel())
+            RuntimeWarning, stacklevel=self.stacklevel())
 
     def _settle_chunks(self) -> None:
         """The window's chunks still in flight (overlap_forward) have run; a worker failure raises."""
@@ -261,7 +261,7 @@ class StepValidator:
             self._warned_at = now
             warnings.warn(f"cpu_offload: optimizer step skipped: a gradient was NaN or Inf ({self.skipped_steps} "
                           "skipped since construction; this warning repeats at most once a minute)",
-                          RuntimeWarning, stacklevel=self._stacklevel())
+                          RuntimeWarning, stacklevel=self.stacklevel())
 
     def _rollback(self, stepped: list) -> list:
         """Undo every stepped piece; returns their records (step counts restored).

@@ -73,7 +73,8 @@ def to_plain_adamw(m, sd):
             params[i].copy_(entry["master"])
     opt = torch.optim.AdamW(m.parameters(), **HP)
     opt.load_state_dict({"param_groups": sd["param_groups"],
-                         "state": {i: {k: v for k, v in e.items() if k != "master"} for i, e in sd["state"].items()}})
+                         "state": {i: {k: v for k, v in e.items() if k not in ("master", "master_step")}
+                                   for i, e in sd["state"].items()}})
     return opt
 
 

@@ -84,8 +84,8 @@ def test_state_dict_format():
     assert [g["params"] for g in sd["param_groups"]] == [g["params"] for g in torch_sd["param_groups"]]
     rec = named(model, off)["l2.weight"]
     entry = sd["state"][rec.index]
-    assert set(entry) == {"step", "master", "exp_avg", "exp_avg_sq"}
-    assert entry["step"].item() == 2.0 and entry["exp_avg"].shape == (64, 64)
+    assert set(entry) == {"step", "master", "exp_avg", "exp_avg_sq", "master_step"}
+    assert entry["step"].item() == entry["master_step"].item() == 2.0 and entry["exp_avg"].shape == (64, 64)
     assert entry["master"].dtype == torch.float32
     assert off.state[model.l2.weight]["exp_avg_sq"].shape == (64, 64)
     with pytest.raises(ValueError, match="param groups"):

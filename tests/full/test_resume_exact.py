@@ -4,6 +4,8 @@
 # the usual resume order (wrap, model.load_state_dict, opt.load_state_dict): the loaded
 # weights stay, also for parameters the saved run never stepped.
 import io
+import re
+import warnings
 
 import pytest
 import torch
@@ -129,3 +131,60 @@ def test_plain_adamw_checkpoint_migrates_in_the_usual_resume_order():
     for rec, (name, p) in zip(records_of(opt), ref.named_parameters()):
         # the masters start from the bf16 weights the model holds: bf16 rounding apart
         assert float((rec.master.view(rec.shape) - p.detach()).norm() / p.detach().norm()) < 1e-2, name
+
+
+def test_masters_carried_through_an_optimizer_that_does_not_step_them_are_not_loaded():
+    """A full-offload checkpoint resumed by a plain torch AdamW (HF Trainer resuming it without
+    offload): torch keeps the unknown "master" entries and saves them again, untouched, with
+    the steps it took. Loaded back into full offload, those stale masters replaced the weights:
+    every step of the plain phase undone, without a word. A master whose step count is not
+    the entry's is now left out, with a warning, and the weights give the masters."""
+    model, opt = fresh()
+    train(model, opt, range(3))
+    saved = roundtrip(opt.state_dict())
+    opt.close()
+    model.float()
+    with torch.no_grad():
+        for p, entry in zip(model.parameters(), saved["state"].values()):
+            p.copy_(entry["master"].view(p.shape))
+    plain = torch.optim.AdamW(model.parameters(), **HP)
+    plain.load_state_dict(saved)
+    for s in range(3, 6):
+        x = torch.randn(16, 24, generator=torch.Generator().manual_seed(s))
+        model(x, s).pow(2).mean().backward()
+        plain.step()
+        plain.zero_grad()
+    carried = roundtrip(plain.state_dict())
+    assert all("master" in e for e in carried["state"].values())  # kept by torch, as saved at step 3
+    weights = [p.detach().clone() for p in model.parameters()]
+    full = cpu_offload.offload_optimizer(torch.optim.AdamW(model.parameters(), **HP), offload="full", **SMALL)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        full.load_state_dict(carried)
+    for rec, w in zip(records_of(full), weights):
+        assert rec.step == int(carried["state"][rec.index]["step"])
+        assert torch.equal(rec.master, w.reshape(-1)), rec.name  # the weights at the save, fp32
+    assert any(re.search(r"masters of \[.*\] were saved at step 3, .* step count is 6", str(w.message)) for w in caught)
+    full.close()
+
+
+def test_a_partial_load_that_leaves_the_masters_keeps_the_weights_loaded_before():
+    """torch.distributed.checkpoint with allow_partial_load fills a state_dict() template in
+    place: from a plain AdamW checkpoint the steps and moments load, the masters stay the
+    template's own live views. Loaded after the model's weights (set_model_state_dict), those
+    unchanged masters overwrote the weights just loaded. The template's master step count
+    (that of the fresh optimizer) now tells them apart: the weights give the masters."""
+    model, opt = fresh()
+    template = opt.state_dict()
+    ck_model = {k: v.float() * 0.5 for k, v in model.state_dict().items()}
+    model.load_state_dict(ck_model)  # as set_model_state_dict does
+    # as DCP's in-place load of a plain checkpoint leaves it: steps and moments loaded, masters not
+    template["state"] = {i: {**e, "step": torch.tensor(4.0), "exp_avg": torch.ones_like(e["exp_avg"]),
+                             "exp_avg_sq": torch.ones_like(e["exp_avg_sq"])} for i, e in template["state"].items()}
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        opt.load_state_dict(template)
+    for rec, name in zip(records_of(opt), dict(model.named_parameters())):
+        assert rec.step == 4 and torch.equal(rec.master, ck_model[name].to(torch.bfloat16).float().reshape(-1)), name
+    assert any("were saved at step 0" in str(w.message) for w in caught)
+    opt.close()
