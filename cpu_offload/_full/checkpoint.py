@@ -56,6 +56,7 @@ def state_dict(opt, *, host_state: bool = True) -> dict:
     if not host_state:
         return {"state": {}, "param_groups": groups}
     state = {rec.index: dict(saved_entry(rec)) for rec in opt._records}
+    state.update(opt._frozen_entries)
     return {"state": state, "param_groups": groups}
 
 
@@ -89,10 +90,12 @@ def _group_options(saved: dict) -> dict:
 def _validate(opt, sd: dict) -> tuple:
     """Check the whole state_dict against the optimizer before anything is written.
 
-    Returns ``([(rec, step, {key: flat host tensor})], stale)``; an entry missing from
+    Returns ``([(rec, step, {key: flat host tensor})], stale, frozen)``; an entry missing from
     ``state`` (never stepped in the saved run) gives step 0, zero moments and
     the current master. ``stale``: ``(rec, master step, step)`` of the entries whose
-    master is left out, as it belongs to another step count than the entry's.
+    master is left out, as it belongs to another step count than the entry's. ``frozen``:
+    the saved entries of parameters frozen at wrap time, kept as they are (torch keeps a
+    frozen parameter's state), for ``state_dict()`` to save again.
 
     NOTE: torch's optimizers keep state keys they do not know: a full-offload checkpoint
     resumed without offload (a torch AdamW, or offload="optimizer") is saved again with
@@ -131,7 +134,14 @@ def _validate(opt, sd: dict) -> tuple:
                 del tensors["master"]
                 stale.append((rec, master_step, step))
         plan.append((rec, step, tensors))
-    return plan, stale
+    frozen_ids = {id(p) for p in opt._frozen}
+    params = [p for group in opt.param_groups for p in group["params"]]
+    frozen = {}
+    for index, p in enumerate(params):
+        entry = state.get(saved_ids[index], state.get(str(saved_ids[index])))
+        if id(p) in frozen_ids and isinstance(entry, dict):
+            frozen[index] = dict(entry)
+    return plan, stale, frozen
 
 
 def _saved_once(saved_groups, key: str, default):
@@ -176,7 +186,7 @@ def load_state_dict(opt, sd: dict) -> None:
         _validate_groups(opt, sd["param_groups"])
         _load_groups(opt, sd["param_groups"])  # the host state stayed where it is
         return
-    plan, stale = _validate(opt, sd)
+    plan, stale, frozen = _validate(opt, sd)
     factor, late = _speculation(sd["param_groups"])
     with torch.no_grad():
         for rec, step, tensors in plan:
@@ -195,6 +205,7 @@ def load_state_dict(opt, sd: dict) -> None:
                     flat.copy_(src)
         _load_groups(opt, sd["param_groups"])
         write_compute_copies(opt._records)
+    opt._frozen_entries = frozen
     opt._validator.predicted = factor
     opt._validator.predicted_late_hparams = late
     if stale:

@@ -344,6 +344,7 @@ class FullCPUOffloadOptimizer(WindowControls, torch.optim.Optimizer):
                 self._proto.window = grad_accum_steps
                 self.timeout_s = float(timeout_s)
                 self._records, self._frozen = records, frozen
+                self._frozen_entries = {}  # the loaded state of parameters frozen at wrap time (checkpoint.py)
                 self._group_ids = _param_ids(optimizer.param_groups)
                 self._accumulate = accumulate
                 self._transfer = transfer

@@ -188,3 +188,35 @@ def test_a_partial_load_that_leaves_the_masters_keeps_the_weights_loaded_before(
         assert rec.step == 4 and torch.equal(rec.master, ck_model[name].to(torch.bfloat16).float().reshape(-1)), name
     assert any("were saved at step 0" in str(w.message) for w in caught)
     opt.close()
+
+
+def test_the_state_of_a_parameter_frozen_at_wrap_time_is_saved_again():
+    """torch keeps a frozen parameter's state. A checkpoint loaded into full offload while a
+    parameter was frozen lost that parameter's entry in the next save (and a stepped optimizer
+    wrapped so lost it too): unfrozen later under a plain AdamW, it started again from step 0.
+    Its entry is now kept as loaded and saved again."""
+    def stepped():
+        torch.manual_seed(0)
+        model = Net()
+        plain = torch.optim.AdamW(model.parameters(), **HP)
+        for s in range(4):
+            x = torch.randn(16, 24, generator=torch.Generator().manual_seed(s))
+            model(x, s).pow(2).mean().backward()
+            plain.step()
+            plain.zero_grad()
+        model.l1.weight.requires_grad_(False)
+        return model, plain
+
+    for how in ("load_state_dict", "wrap a stepped optimizer"):
+        model, plain = stepped()
+        saved = roundtrip(plain.state_dict())
+        if how == "load_state_dict":
+            full = cpu_offload.offload_optimizer(torch.optim.AdamW(model.parameters(), **HP), offload="full", **SMALL)
+            full.load_state_dict(saved)
+        else:
+            full = cpu_offload.offload_optimizer(plain, offload="full", **SMALL)
+        again = roundtrip(full.state_dict())
+        full.close()
+        assert set(again["state"]) == set(saved["state"]), how
+        for key, value in saved["state"][0].items():  # l1.weight, frozen
+            assert torch.equal(again["state"][0][key], value), (how, key)
