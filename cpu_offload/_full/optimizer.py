@@ -982,17 +982,28 @@ class FullCPUOffloadOptimizer(WindowControls, torch.optim.Optimizer):
             return
         late_edits = []
         try:
+            self._settle()  # NOTE: a backward that raised is recovered first: its chunks still count
             self._land()  # NOTE: the last step's weights land before the worker stops
             if self._proto.phase is Phase.APPLIED:  # NOTE: the device records take the update too
                 with deferred_interrupts():
                     late_edits = self._close_without_step("close()")
                     self._proto.move(Phase.IDLE)
-        finally:
+        except KeyboardInterrupt:
+            # NOTE: the optimizer stays open, its window as it was: close() again finishes it
+            # (stopping the worker here would drop the chunks it has not stepped yet)
+            raise
+        except BaseException:
+            self._release()
+            raise
+        self._release()
+        if late_edits:
+            raise _late_edits_error(late_edits, "close()")
+
+    def _release(self) -> None:
+        with deferred_interrupts():  # NOTE: whole, as the finalizer it runs
             self._proto.move(Phase.CLOSED)
             release_optimizer(self)
             self._finalizer()
-        if late_edits:
-            raise _late_edits_error(late_edits, "close()")
 
     def __repr__(self) -> str:
         return (f"FullCPUOffloadOptimizer({type(self.optimizer).__name__}, grad_accum_steps={self.grad_accum_steps}, "

@@ -87,7 +87,7 @@ class Harness(ReplayRun):
 def applied_update_kept():
     """zero_grad() after a window's last backward warns that the update stays applied."""
     with warnings.catch_warnings():
-        warnings.filterwarnings("ignore", "cpu_offload: zero_grad\\(\\) without step\\(\\)", RuntimeWarning)
+        warnings.filterwarnings("ignore", "cpu_offload: (zero_grad|close)\\(\\) without step\\(\\)", RuntimeWarning)
         yield
 
 
@@ -382,6 +382,30 @@ def test_a_ctrl_c_at_any_line_of_a_call_with_a_window_pending_changes_nothing(si
     second time, which reset the factor the next window speculates with, so that window was
     stepped with factor 1 and redone (its masters 1e-4 off, not 1e-7)."""
     assert_every_interrupt_ends_alike(lambda k: call_after_a_clipped_window(name, k, **opts), more_than=100)
+
+
+def close_after_the_last_backward(k=None, **opts):
+    """A Harness that clips every step (so the window after the first holds its chunks back),
+    two steps, a last backward, then close() with SIGINT at its ``k``-th line and close() once
+    more, as a user would. Returns the Harness, or None if close() ran fewer than ``k`` lines."""
+    h = Harness(timeout_s=10.0, max_grad_norm=1e-3, **opts)
+    h.train_normally(2)
+    h.window = {}
+    h.backward()
+    with applied_update_kept():
+        if k is not None and not interrupted_at(h, k, h.opt.close):
+            return None
+        h.opt.close()
+    return h
+
+
+@pytest.mark.parametrize("opts", [{}, {"gpu_state": HALF_STATE}], ids=["host", "half_on_the_device"])
+def test_a_ctrl_c_at_any_line_of_close_after_the_last_backward_then_close_again_ends_alike(sigint_raises, opts):
+    """close() without step() closes the window as step() does. A Ctrl-C on its first lines
+    closed the optimizer all the same, the window left as it was: the held-back chunks and the
+    device records never took the update, and close() again did nothing. Interrupted now, the
+    optimizer stays open, and close() again finishes the window."""
+    assert_every_interrupt_ends_alike(lambda k: close_after_the_last_backward(k, **opts), more_than=20)
 
 
 def assert_every_interrupt_ends_alike(run, more_than: int) -> None:

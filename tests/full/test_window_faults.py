@@ -334,3 +334,43 @@ def test_step_blocked_time_counts_a_redo_once(monkeypatch):
     elapsed = time.perf_counter() - t0
     blocked = off.stats()["step_blocked_s"]
     assert 0.3 <= blocked <= elapsed + 0.25, (blocked, elapsed)  # the end of backward adds its tail only
+
+
+class _Failure(Exception):
+    pass
+
+
+def test_close_right_after_a_backward_that_raised_recovers_the_window_first(monkeypatch):
+    """The recovery after a backward that raised runs at the next call. close() did not run
+    it: it stopped the worker with chunks still queued, and a parameter split over two chunks
+    was left half updated, its step not counted, without a word. close() now recovers first:
+    the same state as zero_grad() (the recovery) and then close()."""
+    from helpers import Boom, Gate, batches, build
+
+    def run(recover_first):
+        gate = Gate(monkeypatch)  # holds the CPU kernels: chunks still queued when close() comes
+        model, opt = build("adamw")
+        off = FullCPUOffloadOptimizer(opt, pinned_bytes=1 << 16, num_slots=8)
+        model.l1.register_forward_hook(lambda m, i, o: Boom.apply(o))  # raises in backward when armed
+        for s in range(2):
+            x, extra = batches(s, 1)[0]
+            model(x.to(torch.bfloat16), use_extra=extra).float().pow(2).mean().backward()
+            off.step()
+            off.zero_grad()
+        x, extra = batches(2, 1)[0]
+        loss = model(x.to(torch.bfloat16), use_extra=extra).float().pow(2).mean()
+        gate.opened.clear()
+        Boom.armed = _Failure("backward failed")  # after head, l2 and extra sent their gradients
+        with pytest.raises(_Failure):
+            loss.backward()
+        with pytest.warns(RuntimeWarning, match=r"raised; \d of 8 parameters had their update applied"):
+            if recover_first:
+                off.zero_grad()
+            off.close()
+        return {r.name: (r.step, r.param.detach().clone()) for r in records_of(off)}
+
+    want, got = run(True), run(False)
+    steps = [step for step, _ in want.values()]
+    assert 3 in steps and 2 in steps  # the window's update counts for those whose chunks ran
+    for name, (step, weight) in want.items():
+        assert got[name][0] == step and torch.equal(got[name][1], weight), name
