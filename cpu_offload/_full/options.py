@@ -190,6 +190,16 @@ def ring_rooms() -> tuple:
 _BF16_MIN_EPS_HAT = 2.0**-57
 
 
+def _length(items) -> Optional[int]:
+    """``len(items)``, or None for a value without one (a number, a 0-d tensor, a string)."""
+    if isinstance(items, (str, bytes)):
+        return None
+    try:
+        return len(items)
+    except TypeError:
+        return None
+
+
 def read_hparams(param_groups, algorithm: str, *, bf16_moments: bool = False) -> list:
     """Per-group hyper-parameters as floats, checked here so that a bad value
     raises on the caller's thread, naming the group, before any chunk is stepped."""
@@ -205,6 +215,8 @@ def read_hparams(param_groups, algorithm: str, *, bf16_moments: bool = False) ->
         values = {}
         for key in keys:
             items = group[key] if key == "betas" else (group[key],)
+            if key == "betas" and _length(items) != 2:
+                raise ValueError(f"param_groups[{g}]['betas'] is {items!r}: it must be two numbers (beta1, beta2)")
             for i, v in enumerate(items):
                 name = f"param_groups[{g}]['{key}']" + (f"[{i}]" if key == "betas" else "")
                 if isinstance(v, torch.Tensor) and v.numel() == 1:

@@ -352,7 +352,8 @@ def test_keep_fp32_takes_a_generator_of_the_optimizers_parameters():
 
 @pytest.mark.parametrize("key,bad,error", [("amsgrad", True, ValueError), ("maximize", True, ValueError),
                                            ("capturable", True, ValueError), ("lr", "0.01", TypeError),
-                                           ("decoupled_weight_decay", False, ValueError)])
+                                           ("decoupled_weight_decay", False, ValueError),
+                                           ("betas", (0.9,), ValueError), ("betas", (0.9, 0.95, 0.5), ValueError)])
 def test_a_group_option_set_after_wrapping_is_refused_at_the_next_backward(key, bad, error):
     """Setting an option full offload cannot honour in a live group (a user, a scheduler)
     raises at the next backward, before anything is stepped; undone, training goes on as if
@@ -402,6 +403,32 @@ def test_loading_a_checkpoint_with_an_option_full_offload_cannot_honour_changes_
         for key, value in entry.items():
             assert torch.equal(torch.as_tensor(after["state"][i][key]), torch.as_tensor(value)), (i, key)
     step_with(model, off, 1)  # and the optimizer trains on
+
+
+@pytest.mark.parametrize("betas", [(0.9,), (0.9, 0.95, 0.5), 0.9])
+def test_loading_betas_of_the_wrong_length_changes_nothing(betas):
+    """betas must be two numbers: one was refused only inside the CPU worker (KeyError
+    'beta2'), three trained silently where torch's AdamW raises at step(). Refused at
+    load_state_dict, naming the group and key, before anything changes; the optimizer trains on."""
+    model, opt = build("adamw")
+    off = FullCPUOffloadOptimizer(opt, **SMALL)
+    step_with(model, off, 0)
+    before = copy.deepcopy(off.state_dict())
+    saved = copy.deepcopy(before)
+    saved["param_groups"][0]["betas"] = betas
+    saved["param_groups"][1]["lr"] = 0.5
+    with pytest.raises(ValueError, match=r"state_dict: param_groups\[0\]\['betas'\]"):
+        off.load_state_dict(saved)
+    after = off.state_dict()
+    assert [(g["betas"], g["lr"]) for g in after["param_groups"]] == \
+        [(g["betas"], g["lr"]) for g in before["param_groups"]]
+    for i, entry in before["state"].items():
+        for key, value in entry.items():
+            assert torch.equal(after["state"][i][key], value), (i, key)
+    step_with(model, off, 1)  # and the optimizer trains on
+    stepped = off.state_dict()["state"]
+    assert any(stepped[i]["step"] > entry["step"] for i, entry in before["state"].items())
+    off.close()
 
 
 def test_close_is_idempotent_and_removes_hooks():
