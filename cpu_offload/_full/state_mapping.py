@@ -88,14 +88,20 @@ def host_value(value, where: str, rec: ParamRecord) -> torch.Tensor:
     return local.detach().reshape(-1)
 
 
+# NOTE: the kernels keep step counts as int64 and add 1 before each step (the bias
+# corrections 1 - beta**(step + 1) are taken in double, fine at any count): a count below
+# 2**62 leaves room for 2**62 more steps, far beyond any run.
+_MAX_STEP = 2**62
+
+
 def step_value(value, where: str, rec: ParamRecord) -> int:
-    """A loaded or assigned step count, checked: a non-negative whole number."""
+    """A loaded or assigned step count, checked: a whole number in [0, _MAX_STEP)."""
     try:
-        step = float(torch.as_tensor(value).item())
+        step = value if type(value) is int else float(torch.as_tensor(value).item())
     except (TypeError, ValueError, RuntimeError):
         raise TypeError(f"{where} ({rec.name}) must be a number or a one-element tensor, got {value!r}") from None
-    if not (step >= 0 and step == int(step)):
-        raise ValueError(f"{where} ({rec.name}) must be a non-negative whole number, got {step}")
+    if not (0 <= step < _MAX_STEP and step == int(step)):  # NOTE: refuses NaN and inf before int()
+        raise ValueError(f"{where} ({rec.name}) must be a non-negative whole number below 2**62, got {step}")
     return int(step)
 
 

@@ -1,5 +1,6 @@
 # opt.state of full offload: one persistent mapping, O(1) per lookup, whose
 # per-parameter entries write through into the host state between steps.
+import copy
 import time
 
 import pytest
@@ -62,6 +63,38 @@ def test_state_entries_write_through_between_steps_and_refuse_inside_a_window():
         opt.step()
         entry["exp_avg"] = m  # between steps again
         assert torch.equal(opt.state[w]["exp_avg"], m)
+    finally:
+        opt.close()
+
+
+@pytest.mark.parametrize("step", [float("inf"), torch.tensor(float("inf")), torch.tensor(1e20), 2.0**63, 2**63 - 1, 2**62],
+                         ids=["inf", "tensor(inf)", "tensor(1e20)", "2.0**63", "2**63-1", "2**62"])
+def test_a_step_count_out_of_range_is_refused_naming_the_entry_and_changes_nothing(step):
+    """inf raised a bare OverflowError naming neither the entry nor the parameter; a count
+    beyond int64 was taken and the next backward failed in the worker. Both ways in refuse
+    it with a ValueError naming both; the largest count accepted still trains."""
+    torch.manual_seed(3)
+    model = nn.Linear(4, 3)
+    opt = _full(model.parameters())
+    w, x = model.weight, torch.randn(2, 4).to(torch.bfloat16)
+    try:
+        opt.state[w]["step"] = 5
+        saved = copy.deepcopy(opt.state_dict())
+        saved["state"][0]["step"] = step
+        with pytest.raises(ValueError, match=r"state_dict\['state'\]\[0\]\['step'\] \(param_groups\[0\]\[0\]\) must be "
+                                             r"a non-negative whole number"):
+            opt.load_state_dict(saved)
+        with pytest.raises(ValueError, match=r"opt.state\[param_groups\[0\]\[0\]\]\['step'\] \(param_groups\[0\]\[0\]\) "
+                                             r"must be a non-negative whole number"):
+            opt.state[w]["step"] = step
+        assert float(opt.state[w]["step"]) == 5
+        model(x).float().sum().backward()
+        opt.step()
+        assert float(opt.state[w]["step"]) == 6
+        opt.state[w]["step"] = 2**62 - 1  # the largest count accepted
+        model(x).float().sum().backward()
+        opt.step()
+        assert float(opt.state[w]["step"]) == 2.0**62
     finally:
         opt.close()
 
