@@ -180,18 +180,26 @@ class StateEntry:
         return cached[1]
 
     def __setitem__(self, key, value) -> None:
+        self._write(key, self._checked(key, value))
+
+    def _checked(self, key, value):
+        """``value`` for ``entry[key] = value``, checked: the step count or a flat tensor; writes nothing."""
         rec = self._rec
         where = f"opt.state[{rec.name}][{key!r}]"
         if key not in self._keys:
             raise KeyError(f"{where}: full offload keeps {list(self._keys)} per parameter")
         self._guard(f"assigning {where}")
+        return step_value(value, where, rec) if key == "step" else host_value(value, where, rec)
+
+    def _write(self, key, checked) -> None:
+        rec = self._rec
         with torch.no_grad():
             if key == "step":
-                rec.step = step_value(value, where, rec)
+                rec.step = checked
                 return
-            src, flat = host_value(value, where, rec), getattr(rec, key)
-            if src.data_ptr() != flat.data_ptr() or src.device != flat.device:
-                flat.copy_(src)
+            flat = getattr(rec, key)
+            if checked.data_ptr() != flat.data_ptr() or checked.device != flat.device:
+                flat.copy_(checked)
             if key == "master":  # NOTE: the compute copy is always round(master)
                 write_compute_copies([rec])
 
@@ -242,6 +250,8 @@ class NoState(Mapping):
         raise TypeError(f"opt.state[param][{key!r}]: this parameter was frozen (requires_grad=False) when the "
                         f"optimizer was wrapped, so full offload keeps no state for it")
 
+    _checked = __setitem__  # StateMapping's assignment checks each key first: refused here
+
     def __repr__(self) -> str:
         return "NoState()"
 
@@ -269,8 +279,11 @@ class StateMapping(MutableMapping):
             return
         if not isinstance(value, (Mapping, StateEntry)):
             raise TypeError(f"opt.state[param] must be set to a mapping of tensors, got {type(value).__name__}")
-        for key in value.keys():
-            entry[key] = value[key]
+        # NOTE: every key is checked before any is written: a refused assignment changes
+        # nothing, as load_state_dict.
+        checked = [(key, entry._checked(key, value[key])) for key in value.keys()]
+        for key, src in checked:
+            entry._write(key, src)
 
     def __delitem__(self, param) -> None:
         self[param]

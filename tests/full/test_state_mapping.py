@@ -99,6 +99,33 @@ def test_a_step_count_out_of_range_is_refused_naming_the_entry_and_changes_nothi
         opt.close()
 
 
+@pytest.mark.parametrize("bad_key,bad,error", [("exp_avg_sq", torch.ones(3), ValueError),
+                                               ("step", float("nan"), ValueError), ("master", [0.0], TypeError)])
+def test_assigning_an_entry_with_one_bad_key_changes_nothing(bad_key, bad, error):
+    """``opt.state[p] = {...}`` wrote key by key: a bad later key raised, but the keys before it
+    were already written. Every key is checked first now, as load_state_dict does."""
+    torch.manual_seed(4)
+    model = nn.Linear(4, 2)
+    opt = _full(model.parameters())
+    w = model.weight
+    try:
+        before = {key: value.clone() for key, value in opt.state[w].items()}
+        compute = w.detach().clone()
+        new = {"exp_avg": torch.randn(2, 4), "exp_avg_sq": torch.rand(2, 4), "step": 5, "master": torch.randn(2, 4)}
+        new[bad_key] = bad
+        with pytest.raises(error, match=rf"opt.state\[param_groups\[0\]\[0\]\]\['{bad_key}'\]"):
+            opt.state[w] = new
+        for key, value in before.items():
+            assert torch.equal(opt.state[w][key], value), key
+        assert torch.equal(w.detach(), compute)
+        new[bad_key] = before[bad_key]
+        opt.state[w] = new  # all good: every key written
+        for key, value in new.items():
+            assert torch.equal(opt.state[w][key], torch.as_tensor(value, dtype=torch.float32)), key
+    finally:
+        opt.close()
+
+
 def test_a_frozen_parameter_reads_as_no_state_like_torch():
     """``opt.state[p]`` of a frozen parameter of the groups raised KeyError; torch's AdamW
     gives an empty entry. Writing state to it is refused: full offload never steps it."""
