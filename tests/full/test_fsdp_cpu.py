@@ -215,7 +215,7 @@ def window_worker(out_dir):
                             num_slots=2)
     norms = window_loop(model, opt)
     sd = opt.state_dict()
-    result = {"norms": norms, "state": {i: {k: v.full_tensor() for k, v in e.items() if k != "step"}
+    result = {"norms": norms, "state": {i: {k: v.full_tensor() for k, v in e.items() if k not in ("step", "master_step")}
                                         for i, e in sd["state"].items()}}
     if dist.get_rank() == 0:
         torch.save(result, os.path.join(out_dir, "windows.pt"))
