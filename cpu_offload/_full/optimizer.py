@@ -221,7 +221,9 @@ class FullCPUOffloadOptimizer(WindowControls, torch.optim.Optimizer):
         read_hparams(optimizer.param_groups, self._algorithm, bf16_moments=self._bf16_moments)
         # NOTE: the state of an optimizer that has stepped (or loaded a checkpoint) carries over,
         # as a load of its state_dict would; read now, before the weights are cast
-        carried = optimizer.state_dict() if optimizer.state else None
+        carried = optimizer.state_dict() if any(optimizer.state.values()) else None
+        if carried is not None:  # NOTE: an entry a lookup made (torch's state is a defaultdict) holds nothing
+            carried["state"] = {i: entry for i, entry in carried["state"].items() if entry}
         check_gpu_state(gpu_state)
         keep = check_keep_fp32(keep_fp32, optimizer)
         trace = trace_from_env()

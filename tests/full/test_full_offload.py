@@ -150,6 +150,7 @@ def test_a_state_that_cannot_be_carried_over_is_refused_and_leaves_everything_as
     assert all(torch.equal(p, weights[n]) and p.dtype == torch.float32 for n, p in model.named_parameters())
     assert opt.state[model.l2.weight]["exp_avg"].shape == (7,)
     del opt.state[model.l2.weight]
+    assert opt.state[model.l1.weight] == {}  # NOTE: torch's defaultdict: a lookup makes an empty entry
     FullCPUOffloadOptimizer(opt, **SMALL).close()  # nothing of the failed construction stays behind
 
 
