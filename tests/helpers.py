@@ -215,6 +215,22 @@ class StateNet(nn.Module):
         return self.b(Boom.apply(torch.tanh(self.a(x))))
 
 
+def sharded_state_nets(count=2) -> list:
+    """``count`` identical StateNets under FSDP2 on a one-rank CPU mesh (each layer and the
+    root sharded); needs the ``gloo_group`` fixture."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    mesh = init_device_mesh("cpu", (1,))
+    models = []
+    for _ in range(count):
+        model = StateNet()
+        fully_shard(model.a, mesh=mesh)
+        fully_shard(model.b, mesh=mesh)
+        models.append(fully_shard(model, mesh=mesh))
+    return models
+
+
 # ------------------------------------------------ full offload on CPU parameters
 
 # gpu_state= for about half of Net's 6293 trained elements with fp32 AdamW state (12 B each),

@@ -10,7 +10,7 @@ import torch
 from cpu_offload import StateOffloadOptimizer
 from cpu_offload._common.dtensor import local_of
 from helpers import StateNet as Net
-from helpers import state_staging_of
+from helpers import sharded_state_nets, state_staging_of
 
 CPU = torch.device("cpu")
 EDITS = ["in place", "in place through a view", "in place, tensor read between steps", "tensor replaced",
@@ -111,17 +111,7 @@ def test_only_the_edited_state_is_copied_in_again(how):
 @pytest.mark.parametrize("how", EDITS)
 def test_edits_of_fsdp2_dtensor_state_are_seen(gloo_group, how):
     """An in-place op on a DTensor bumps its own version counter, not its local shard's."""
-    from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.fsdp import fully_shard
-
-    mesh = init_device_mesh("cpu", (1,))
-    models = []
-    for _ in range(2):
-        model = Net()
-        fully_shard(model.a, mesh=mesh)
-        fully_shard(model.b, mesh=mesh)
-        models.append(fully_shard(model, mesh=mesh))
-    m1, m2 = models
+    m1, m2 = sharded_state_nets()
     plain, wrapped = adamw(m1), StateOffloadOptimizer(adamw(m2))
     train_editing_state(m1, plain, how)
     train_editing_state(m2, wrapped, how)

@@ -17,7 +17,7 @@ import torch
 from cpu_offload import StateOffloadOptimizer, offload_optimizer
 from cpu_offload._common.dtensor import local_of
 from cpu_offload._state.copies import SyncStateCopies
-from helpers import Boom, sigint_at_line, state_staging_of
+from helpers import Boom, sharded_state_nets, sigint_at_line, state_staging_of
 from helpers import StateNet as Net
 
 CPU = torch.device("cpu")
@@ -335,17 +335,7 @@ def test_stats_before_and_after_a_step():
 # ------------------------------------------------------------------- FSDP2
 
 def test_fsdp2_dtensor_params(gloo_group):
-    from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.fsdp import fully_shard
-
-    mesh = init_device_mesh("cpu", (1,))
-    models = []
-    for _ in range(2):
-        model = Net()
-        fully_shard(model.a, mesh=mesh)
-        fully_shard(model.b, mesh=mesh)
-        models.append(fully_shard(model, mesh=mesh))
-    m1, m2 = models
+    m1, m2 = sharded_state_nets()
     plain = torch.optim.AdamW(m1.parameters(), lr=1e-2, weight_decay=0.1)
     wrapped = StateOffloadOptimizer(torch.optim.AdamW(m2.parameters(), lr=1e-2, weight_decay=0.1))
     train(m1, plain, range(4), accum=2, clip=0.5)
