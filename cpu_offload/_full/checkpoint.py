@@ -188,6 +188,8 @@ def load_state_dict(opt, sd: dict) -> None:
         return
     plan, stale, frozen = _validate(opt, sd)
     factor, late = _speculation(sd["param_groups"])
+    stale_ids = {id(rec) for rec, *_ in stale}
+    rounded = []  # trained entries without a master whose weights were loaded at the compute dtype
     with torch.no_grad():
         for rec, step, tensors in plan:
             rec.step = step
@@ -199,6 +201,8 @@ def load_state_dict(opt, sd: dict) -> None:
                 current = rec.local().detach().reshape(-1).to(rec.master.device)
                 if not torch.equal(current, rec.master.to(current.dtype)):
                     tensors["master"] = current
+                    if step and current.dtype != torch.float32 and id(rec) not in stale_ids:
+                        rounded.append(rec)
             for key, src in tensors.items():
                 flat = getattr(rec, key)
                 if src.data_ptr() != flat.data_ptr():  # DCP may have loaded into our own views
@@ -208,6 +212,14 @@ def load_state_dict(opt, sd: dict) -> None:
     opt._frozen_entries = frozen
     opt._validator.predicted = factor
     opt._validator.predicted_late_hparams = late
+    if rounded:
+        dtype = str(rounded[0].local().dtype).replace("torch.", "")
+        warnings.warn(
+            f"cpu_offload: the state of {[r.name for r in rounded][:8]} has no fp32 master (a checkpoint written without "
+            f"full offload), and their weights changed since wrapping (a model checkpoint loaded into the {dtype} "
+            f"model): their masters start from those {dtype} values, without the low bits of fp32 weights. To resume "
+            "at fp32 precision, load the fp32 weights into the model before wrapping it", RuntimeWarning,
+            stacklevel=opt._validator.stacklevel())
     if stale:
         rec, master_step, step = stale[0]
         warnings.warn(

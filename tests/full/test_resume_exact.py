@@ -4,6 +4,7 @@
 # the usual resume order (wrap, model.load_state_dict, opt.load_state_dict): the loaded
 # weights stay, also for parameters the saved run never stepped.
 import io
+import os
 import re
 import warnings
 
@@ -112,7 +113,9 @@ def test_plain_adamw_checkpoint_migrates_in_the_usual_resume_order():
 
     model, opt = fresh(seed=1)
     model.load_state_dict(ck["model"])
-    opt.load_state_dict(ck["optim"])
+    with pytest.warns(RuntimeWarning, match=r"the state of \['param_groups\[0\]\[0\]', 'param_groups\[0\]\[1\]', "
+                                            r"'param_groups\[0\]\[2\]', 'param_groups\[0\]\[3\]'\] has no fp32 master .* load the fp32 weights into the model before wrapping"):
+        opt.load_state_dict(ck["optim"])
     for name, value in model.state_dict().items():
         assert torch.equal(value, ck["model"][name].to(value.dtype)), name
 
@@ -131,6 +134,29 @@ def test_plain_adamw_checkpoint_migrates_in_the_usual_resume_order():
     for rec, (name, p) in zip(records_of(opt), ref.named_parameters()):
         # the masters start from the bf16 weights the model holds: bf16 rounding apart
         assert float((rec.master.view(rec.shape) - p.detach()).norm() / p.detach().norm()) < 1e-2, name
+
+
+def test_a_plain_adamw_checkpoint_loaded_before_wrapping_keeps_fp32_masters_without_a_warning():
+    """The remedy the warning above names: the fp32 weights loaded first, then wrapped, then
+    the optimizer's state: the masters are the checkpoint's fp32 weights, bit for bit."""
+    torch.manual_seed(int.from_bytes(os.urandom(4), "little"))
+    source = Net()
+    sopt = torch.optim.AdamW(source.parameters(), **HP)
+    for s in range(4):
+        x = torch.randn(16, 24)
+        source(x, s).pow(2).mean().backward()
+        sopt.step()
+        sopt.zero_grad()
+    ck = roundtrip({"model": source.state_dict(), "optim": sopt.state_dict()})
+    model = Net()
+    model.load_state_dict(ck["model"])
+    opt = cpu_offload.offload_optimizer(torch.optim.AdamW(model.parameters(), **HP), offload="full", **SMALL)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        opt.load_state_dict(ck["optim"])
+    for rec, (name, p) in zip(records_of(opt), source.named_parameters()):
+        assert torch.equal(rec.master, p.detach().reshape(-1)), name
+    opt.close()
 
 
 def test_masters_carried_through_an_optimizer_that_does_not_step_them_are_not_loaded():
