@@ -74,7 +74,7 @@ class WindowControls:
         self._enter()
         if self._proto.phase is Phase.BACKWARD:
             raise RuntimeError("scale_grads_() called during a backward pass")
-        self._validator.rescale(factor, late=self._proto.phase is Phase.APPLIED)
+        self._validator.scale_grads(factor, late=self._proto.phase is Phase.APPLIED)
 
     def _drain_accumulation(self) -> None:
         self._pipeline.drain()

@@ -152,6 +152,14 @@ class StepValidator:
         if late:
             self.late *= factor
 
+    def scale_grads(self, factor: float, *, late: bool) -> None:
+        """scale_grads_(): the window's gradients times ``factor``. A norm already computed in
+        this window (``grad_norm``, before clipping) scales with them: the norm logged is the
+        same whether the factor came before or after the window's last backward."""
+        self.rescale(factor, late=late)
+        if self.grad_norm is not None:
+            self.grad_norm *= factor
+
     def defers(self) -> bool:
         """Whether the window's last backward holds its chunks back until step(), instead of
         stepping them speculatively.

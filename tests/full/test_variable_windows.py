@@ -94,6 +94,38 @@ def test_announced_factor_is_free_and_equals_a_scaled_loss():
     assert a.stats()["backward_passes"] == 2
 
 
+@pytest.mark.parametrize("count", [1, 3])
+def test_the_logged_norm_counts_a_factor_given_before_or_after_the_last_backward(count):
+    """stats()["grad_norm"] is the norm of the step's gradients (before clipping) whenever
+    scale_grads_ gave them their factor: a factor after the last backward left it out."""
+    runs = {}
+    for when in ("before", "after"):
+        model, opt = build("adamw")
+        grads = capture(model)
+        off = FullCPUOffloadOptimizer(opt, grad_accum_steps=count, **SMALL)
+        logged, torch_norms = [], []
+        for s in range(3):
+            grads.clear()
+            factor = 0.5 + s
+            if when == "before":
+                off.scale_grads_(factor)
+            for m in range(count):
+                model(micro_batch(s, m).to(torch.bfloat16)).float().pow(2).sum().backward()
+            if when == "after":
+                off.scale_grads_(factor)
+            off.step()
+            off.zero_grad()
+            logged.append(off.stats()["grad_norm"])
+            summed = [sum(g[1:], g[0].clone()) * factor for g in grads.values()]
+            torch_norms.append(float(torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(g.double())
+                                                                          for g in summed]))))
+        off.close()
+        for ours, theirs in zip(logged, torch_norms):
+            assert abs(ours - theirs) <= 1e-6 * theirs, (when, logged, torch_norms)
+        runs[when] = logged
+    assert runs["before"] == runs["after"]
+
+
 def test_window_length_errors():
     model, opt = build("adamw")
     one = FullCPUOffloadOptimizer(opt, **SMALL)
