@@ -17,7 +17,7 @@ from typing import Callable
 import torch
 
 __all__ = ["adopt_optimizer", "check_not_offloaded", "release_optimizer", "state_dict_with_hooks",
-           "load_state_dict_with_hooks"]
+           "load_state_dict_with_hooks", "step_without_global_hooks", "refuse_copy"]
 
 _HOOK_TABLES = ("step_pre", "step_post", "state_dict_pre", "state_dict_post",
                 "load_state_dict_pre", "load_state_dict_post")
@@ -100,3 +100,41 @@ def load_state_dict_with_hooks(wrapper: torch.optim.Optimizer, state_dict: dict,
     apply(state_dict)
     for post_hook in wrapper._optimizer_load_state_dict_post_hooks.values():
         post_hook(wrapper)
+
+
+def step_without_global_hooks(optimizer: torch.optim.Optimizer) -> Callable:
+    """``optimizer.step`` as torch runs it, but without the global step hooks
+    (``torch.optim.optimizer.register_optimizer_step_pre_hook`` / ``_post_hook``): those ran
+    around the wrapper's own step, and torch runs each once per step. The optimizer's own
+    step hooks run around it as ``Optimizer.profile_hook_step`` runs them.
+
+    NOTE: a step patched on the instance (``optimizer.step = ...``), or a class step torch did
+    not hook, is called as it is."""
+    hooked = type(optimizer).step
+    func = getattr(hooked, "__wrapped__", None)
+    if not getattr(hooked, "hooked", False) or func is None or "step" in vars(optimizer):
+        return optimizer.step
+
+    def step(*args, **kwargs):
+        args = (optimizer, *args)
+        for pre_hook in list(optimizer._optimizer_step_pre_hooks.values()):
+            result = pre_hook(optimizer, args, kwargs)
+            if result is not None:
+                if not (isinstance(result, tuple) and len(result) == 2):
+                    raise RuntimeError(f"{func} must return None or a tuple of (new_args, new_kwargs), but got {result}.")
+                args, kwargs = result
+        out = func(*args, **kwargs)
+        optimizer._optimizer_step_code()
+        for post_hook in list(optimizer._optimizer_step_post_hooks.values()):
+            post_hook(optimizer, args, kwargs)
+        return out
+    return step
+
+
+def refuse_copy(wrapper) -> None:
+    """``copy.deepcopy``, ``pickle`` and ``torch.save`` of a wrapper: refused with a clear
+    error (torch's Optimizer.__getstate__ would keep its groups and state only, and the copy
+    would fail at its first use). A checkpoint saves ``state_dict()``."""
+    raise TypeError(f"a {type(wrapper).__name__} cannot be copied or pickled (it holds host buffers, CUDA "
+                    "streams and hooks on the model's parameters): save opt.state_dict() and load it into a new "
+                    "wrapper instead")

@@ -66,7 +66,7 @@ from cpu_offload._full.device_state import (
 from cpu_offload._full.controls import WindowControls
 from cpu_offload._full import torch_clipping
 from cpu_offload._common.wrapping import (
-    adopt_optimizer, load_state_dict_with_hooks, release_optimizer, state_dict_with_hooks,
+    adopt_optimizer, load_state_dict_with_hooks, refuse_copy, release_optimizer, state_dict_with_hooks,
 )
 
 __all__ = ["FullCPUOffloadOptimizer"]
@@ -421,7 +421,10 @@ class FullCPUOffloadOptimizer(WindowControls, torch.optim.Optimizer):
             raise RuntimeError(
                 f"a backward pass started after the last one of the window (grad_accum_steps="
                 f"{self.grad_accum_steps}) had already applied its update, before step(): call step() "
-                "(or zero_grad()) after every window; full offload updates the weights during backward"
+                "(or zero_grad()) after every window; full offload updates the weights during backward. "
+                "(A loop stopped in the middle of a window and started again must call the optimizer's "
+                "zero_grad() first: model.zero_grad() cannot drop the window, param.grad is None under full "
+                "offload)"
             )
         if self._proto.phase is not Phase.BACKWARD:
             self._begin_backward()
@@ -886,7 +889,10 @@ class FullCPUOffloadOptimizer(WindowControls, torch.optim.Optimizer):
         return self._state
 
     def state_dict(self) -> dict:
-        self._check_between_steps("state_dict()")
+        """torch's format plus the masters (checkpoint.py). In the middle of an accumulation
+        window it is the state of the last step, as torch's (which saves no gradients either):
+        the window's passes so far only added to the host accumulators."""
+        self._check_between_steps("state_dict()", in_window=True)
         if self._proto.phase is Phase.APPLIED:
             raise RuntimeError(f"state_dict() {Phase.APPLIED.value}: {_STEP_APPLIED}")
         adopt_external_weights(self._records)
@@ -970,11 +976,15 @@ class FullCPUOffloadOptimizer(WindowControls, torch.optim.Optimizer):
         if phase is Phase.APPLIED or (phase is Phase.BACKWARD and self._proto.final):
             raise RuntimeError(f"{what} {phase.value}: {_STEP_APPLIED}")
 
-    def _check_between_steps(self, what: str) -> None:
+    def _check_between_steps(self, what: str, *, in_window: bool = False) -> None:
+        """Refused during a backward pass and, unless ``in_window``, in the middle of an
+        accumulation window; then no chunk is left running."""
         self._enter()
-        if self._proto.phase in (Phase.BACKWARD, Phase.ACCUMULATING):
-            raise RuntimeError(f"{what} called {self._proto.phase.value} ({self._proto.micro} of "
-                               f"{self.grad_accum_steps} backward passes); call it after step()")
+        phase = self._proto.phase
+        if phase is Phase.BACKWARD or (phase is Phase.ACCUMULATING and not in_window):
+            raise RuntimeError(f"{what} called {phase.value} ({self._proto.micro} of {self.grad_accum_steps} backward "
+                               "passes); call it after step(), or call the optimizer's zero_grad() first to drop the "
+                               "window (model.zero_grad() cannot: under full offload param.grad is None)")
         self._pipeline.drain()
 
     # ------------------------------------------------------------- lifecycle
@@ -1006,6 +1016,9 @@ class FullCPUOffloadOptimizer(WindowControls, torch.optim.Optimizer):
             self._proto.move(Phase.CLOSED)
             release_optimizer(self)
             self._finalizer()
+
+    def __getstate__(self):
+        refuse_copy(self)
 
     def __repr__(self) -> str:
         return (f"FullCPUOffloadOptimizer({type(self.optimizer).__name__}, grad_accum_steps={self.grad_accum_steps}, "

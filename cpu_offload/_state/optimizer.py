@@ -20,7 +20,8 @@ from cpu_offload._common.checks import check_int
 from cpu_offload._common.interrupts import deferred_interrupts
 from cpu_offload._state.staging import StateStaging
 from cpu_offload._common.wrapping import (
-    adopt_optimizer, check_not_offloaded, load_state_dict_with_hooks, release_optimizer, state_dict_with_hooks,
+    adopt_optimizer, check_not_offloaded, load_state_dict_with_hooks, refuse_copy, release_optimizer,
+    state_dict_with_hooks, step_without_global_hooks,
 )
 
 __all__ = ["StateOffloadOptimizer"]
@@ -80,6 +81,35 @@ class StateOffloadOptimizer(torch.optim.Optimizer):
             raise
 
     @property
+    def param_groups(self) -> list:
+        """The wrapped optimizer's ``param_groups``: a list assigned here (an LR scheduler, or
+        accelerate's ``AcceleratedOptimizer.param_groups = ...``) is the one its step reads."""
+        return self.optimizer.param_groups
+
+    @param_groups.setter
+    def param_groups(self, groups: list) -> None:
+        self.optimizer.param_groups = groups
+        if hasattr(self, "_staging"):
+            self._staging.hook_params()
+
+    # NOTE: torch.amp.GradScaler hands its scale to optimizers that unscale in their own step
+    # (fused Adam, AdamW, SGD): it reads this flag and sets grad_scale and found_inf on the
+    # optimizer it is given, for the wrapped step to read.
+    @property
+    def _step_supports_amp_scaling(self) -> bool:
+        return getattr(self.optimizer, "_step_supports_amp_scaling", False)
+
+    grad_scale = property(lambda self: self.optimizer.grad_scale,
+                          lambda self, value: setattr(self.optimizer, "grad_scale", value),
+                          lambda self: delattr(self.optimizer, "grad_scale"))
+    found_inf = property(lambda self: self.optimizer.found_inf,
+                         lambda self, value: setattr(self.optimizer, "found_inf", value),
+                         lambda self: delattr(self.optimizer, "found_inf"))
+
+    def __getstate__(self):
+        refuse_copy(self)
+
+    @property
     def state(self):
         """The wrapped optimizer's state; between steps its tensors are the host buffers."""
         self._staging.wait()  # the last step's copies into them may still be running
@@ -95,7 +125,7 @@ class StateOffloadOptimizer(torch.optim.Optimizer):
         A ``closure`` goes to the wrapped optimizer's step, which calls it when it needs
         to (LBFGS: several times; its backward then runs with the state on the device)."""
         result = []
-        step = self.optimizer.step
+        step = step_without_global_hooks(self.optimizer)
         self._staging.run_step(lambda: result.append(step() if closure is None else step(closure)))
         return result[0]
 

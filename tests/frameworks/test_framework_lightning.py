@@ -92,3 +92,36 @@ def test_lightning_gradient_clip_val_clips_full_offload_like_the_option():
     Before, Lightning's clipping saw no gradient and clipped nothing, without a word."""
     option, framework = framework_clipping_and_option(lambda make, clip: train_lightning(make, n_rows=40, grad_accum=2, clip=clip)[0])
     assert framework == option
+
+
+class ValidatedLM(TinyLM):
+    def validation_step(self, tokens, batch_idx):
+        self.log("val_loss", self.model(input_ids=tokens, labels=tokens).loss)
+
+
+def test_a_checkpoint_after_validation_in_the_middle_of_a_window_saves_the_last_steps_state(tmp_path):
+    """Validation every 3 batches with accumulation 2 lands in the middle of a window, and
+    ModelCheckpoint(monitor="val_loss") saves right after it: the optimizer's state_dict() there
+    was refused, and training stopped. It is the state of the last step, as torch's."""
+    make = FullOffloadMaker(grad_accum_steps=2)
+    try:
+        module = ValidatedLM(make)
+        saved_steps = []
+
+        class Steps(L.Callback):
+            def on_save_checkpoint(self, trainer, pl_module, checkpoint):
+                state = checkpoint["optimizer_states"][0]["state"]
+                saved_steps.append((trainer.global_step, {int(e["step"]) for e in state.values()}))
+
+        trainer = L.Trainer(accelerator="cpu", devices=1, max_steps=6, logger=False, enable_progress_bar=False,
+                            enable_model_summary=False, accumulate_grad_batches=2, val_check_interval=3,
+                            num_sanity_val_steps=0, callbacks=[
+                                L.pytorch.callbacks.ModelCheckpoint(dirpath=tmp_path, monitor="val_loss",
+                                                                    save_top_k=-1), Steps()])
+        trainer.fit(module, torch.utils.data.DataLoader(token_rows(14), batch_size=2),
+                    torch.utils.data.DataLoader(token_rows(4), batch_size=2))
+    finally:
+        make.close()
+    # batches 3 and 6 of each epoch of 7: after 1 step and a half window, after 3 steps
+    assert [s for s, _ in saved_steps][:2] == [1, 3], saved_steps
+    assert all(steps == {global_step} for global_step, steps in saved_steps), saved_steps

@@ -169,8 +169,8 @@ def test_accumulation_protocol_errors():
     off = FullCPUOffloadOptimizer(opt, grad_accum_steps=2, **SMALL)
     x = torch.randn(2, 24, dtype=torch.bfloat16)
     model(x).sum().backward()
-    with pytest.raises(RuntimeError, match="middle of an accumulation window"):
-        off.state_dict()
+    with pytest.raises(RuntimeError, match=r"middle of an accumulation window .* call the optimizer's zero_grad"):
+        off.load_state_dict(off.state_dict())  # saving is torch's: the state of the last step
     model(x).sum().backward()
     with pytest.raises(RuntimeError, match=r"before step\(\): call step\(\)"):
         model(x).sum().backward()
@@ -662,4 +662,18 @@ def test_the_steady_state_validates_only_new_plans(monkeypatch):
         off.zero_grad()
     assert off.stats()["chunks"] > 30
     assert validated[0] - late_validated == new_calls[0] - late_new
+    off.close()
+
+
+def test_copying_or_pickling_full_offload_is_refused_with_a_clear_error():
+    """A deepcopy gave an object that failed at its first use on a private attribute."""
+    import copy
+    import io
+    import pickle
+
+    model, opt = build("adamw")
+    off = FullCPUOffloadOptimizer(opt, **SMALL)
+    for how in (copy.deepcopy, pickle.dumps, lambda o: torch.save(o, io.BytesIO())):
+        with pytest.raises(TypeError, match="cannot be copied or pickled .* save opt.state_dict"):
+            how(off)
     off.close()

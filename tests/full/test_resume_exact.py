@@ -113,8 +113,9 @@ def test_plain_adamw_checkpoint_migrates_in_the_usual_resume_order():
 
     model, opt = fresh(seed=1)
     model.load_state_dict(ck["model"])
-    with pytest.warns(RuntimeWarning, match=r"the state of \['param_groups\[0\]\[0\]', 'param_groups\[0\]\[1\]', "
-                                            r"'param_groups\[0\]\[2\]', 'param_groups\[0\]\[3\]'\] has no fp32 master .* load the fp32 weights into the model before wrapping"):
+    names = r"\['param_groups\[0\]\[0\]', 'param_groups\[0\]\[1\]', 'param_groups\[0\]\[2\]', 'param_groups\[0\]\[3\]'\]"
+    with pytest.warns(RuntimeWarning, match=f"the state of {names} has no fp32 master .* load the fp32 weights into "
+                                            "the model before wrapping"):
         opt.load_state_dict(ck["optim"])
     for name, value in model.state_dict().items():
         assert torch.equal(value, ck["model"][name].to(value.dtype)), name

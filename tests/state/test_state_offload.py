@@ -251,3 +251,102 @@ def test_state_and_state_dict_wait_for_copies_to_the_host():
     state_staging_of(opt).copies = {"cuda:0": _Copies(log)}
     opt.load_state_dict(opt.optimizer.state_dict())
     assert log[2] == "all copies waited"  # before anything writes the host buffers
+
+
+def test_global_step_hooks_run_once_a_step_around_the_wrapper():
+    """torch runs each global step hook once per step(); they ran around the wrapper's step and
+    again around the wrapped optimizer's, so a hook that scales the gradients scaled them twice.
+    The wrapped optimizer's own step hooks still run, once, inside."""
+    from torch.optim.optimizer import register_optimizer_step_post_hook, register_optimizer_step_pre_hook
+
+    def run(wrap):
+        calls = []
+
+        def pre(opt, args, kwargs):
+            calls.append(("pre", type(opt).__name__))
+            for group in opt.param_groups:
+                for p in group["params"]:
+                    p.grad.mul_(0.5)
+
+        handles = [register_optimizer_step_pre_hook(pre),
+                   register_optimizer_step_post_hook(lambda o, a, k: calls.append(("post", type(o).__name__)))]
+        try:
+            model, data = model_and_data(seed=int(torch.randint(1 << 30, ())))
+            torch.manual_seed(0)
+            opt = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1)
+            opt.register_step_pre_hook(lambda o, a, k: calls.append(("own pre", type(o).__name__)))
+            if wrap:
+                opt = StateOffloadOptimizer(opt)
+            train(model, opt, data[:3])
+        finally:
+            for handle in handles:
+                handle.remove()
+        return [p.detach().clone() for p in model.parameters()], calls
+
+    seed = int(torch.randint(1 << 30, ()))
+    torch.manual_seed(seed)
+    plain, plain_calls = run(False)
+    torch.manual_seed(seed)
+    wrapped, wrapped_calls = run(True)
+    for a, b in zip(plain, wrapped):
+        assert torch.equal(a, b)
+    assert plain_calls == [("pre", "AdamW"), ("own pre", "AdamW"), ("post", "AdamW")] * 3
+    assert wrapped_calls == [("pre", "StateOffloadOptimizer"), ("own pre", "AdamW"),
+                             ("post", "StateOffloadOptimizer")] * 3
+
+
+def test_param_groups_assigned_to_the_wrapper_are_the_ones_the_step_reads():
+    """A new param_groups list (new dicts, another lr) assigned to the wrapper (as accelerate's
+    AcceleratedOptimizer.param_groups setter does) reached the wrapper only: the wrapped
+    optimizer stepped with the old lr."""
+    m1, data = model_and_data()
+    m2, _ = model_and_data()
+    plain = torch.optim.AdamW(m1.parameters(), lr=1e-2)
+    wrapped = StateOffloadOptimizer(torch.optim.AdamW(m2.parameters(), lr=1e-2))
+    train(m1, plain, data[:2])
+    train(m2, wrapped, data[:2])
+    plain.param_groups = [dict(g, lr=3e-2) for g in plain.param_groups]
+    wrapped.param_groups = [dict(g, lr=3e-2) for g in wrapped.param_groups]
+    train(m1, plain, data[2:])
+    train(m2, wrapped, data[2:])
+    for a, b in zip(m1.parameters(), m2.parameters()):
+        assert torch.equal(a, b)
+    assert wrapped.optimizer.param_groups[0]["lr"] == wrapped.state_dict()["param_groups"][0]["lr"] == 3e-2
+
+
+@pytest.mark.parametrize("kind", ["adam", "sgd"])
+def test_grad_scaler_hands_its_scale_to_a_fused_wrapped_step(kind):
+    """GradScaler gives its scale to optimizers that unscale in their fused step; the wrapper
+    hid that they do, so GradScaler unscaled the gradients itself, which rounds otherwise (a
+    scale that is not a power of two)."""
+    runs = []
+    for wrap in (False, True):
+        model, data = model_and_data()
+        if kind == "adam":
+            opt = torch.optim.Adam(model.parameters(), lr=1e-2, fused=True)
+        else:
+            opt = torch.optim.SGD(model.parameters(), lr=1e-2, momentum=0.9, fused=True)
+        opt = StateOffloadOptimizer(opt) if wrap else opt
+        scaler = torch.amp.GradScaler("cpu", init_scale=3.0e3, growth_interval=2)
+        for i, x in enumerate(data):
+            loss = model(x).pow(2).mean() * (float("inf") if i == 2 else 1.0)  # one skipped step
+            scaler.scale(loss).backward()
+            scaler.step(opt)
+            scaler.update()
+            opt.zero_grad()
+        runs.append(([p.detach().clone() for p in model.parameters()], scaler.get_scale()))
+    (a, scale_a), (b, scale_b) = runs
+    assert scale_a == scale_b
+    for x, y in zip(a, b):
+        assert torch.equal(x, y)
+
+
+def test_copying_or_pickling_the_wrapper_is_refused_with_a_clear_error():
+    import copy
+    import pickle
+
+    model, _ = model_and_data()
+    wrapped = StateOffloadOptimizer(torch.optim.AdamW(model.parameters()))
+    for how in (copy.deepcopy, pickle.dumps, lambda o: torch.save(o, io.BytesIO())):
+        with pytest.raises(TypeError, match="cannot be copied or pickled .* save opt.state_dict"):
+            how(wrapped)
