@@ -668,6 +668,7 @@ class FullCPUOffloadOptimizer(WindowControls, torch.optim.Optimizer):
         t0, blocked_before = time.perf_counter(), self._proto.blocked_s
         if self._proto.phase is Phase.IDLE and not (self._proto.zeroed and any(r.holds_grad for r in self._records)):
             self._validator.open_window()  # a factor announced for a window that never ran
+            self._warn_no_gradient()
             return loss
         self._pipeline.trace.mark("step_begin", at=t0)
         passes = self.grad_accum_steps if self._proto.phase is Phase.APPLIED else self._proto.micro
@@ -702,6 +703,20 @@ class FullCPUOffloadOptimizer(WindowControls, torch.optim.Optimizer):
                 raise _late_edits_error(late_edits, "step()")
         self._pipeline.trace.mark("step_end")
         return loss
+
+    def _warn_no_gradient(self) -> None:
+        """step() with no gradient since the last one does nothing, as torch's; said once, as a
+        model whose parameters were replaced since wrapping leads there without an error."""
+        if self._proto.warned_no_gradient:
+            return
+        self._proto.warned_no_gradient = True
+        warnings.warn(
+            f"cpu_offload: step() found no gradient for any of the optimizer's {len(self._records)} parameters since "
+            "the last step(), so nothing was updated (as torch's step() without gradients). If the model's parameters "
+            "were replaced since wrapping (PEFT's load_adapter, which HF Trainer's resume_from_checkpoint calls, "
+            "makes new fp32 parameters in place of bf16 adapters), the optimizer still holds the old ones: wrap after "
+            "loading, or keep the adapters in fp32 (compute_dtype=torch.float32), into which a load copies",
+            RuntimeWarning, stacklevel=_user_stacklevel())
 
     def _take_edits_before_step(self) -> list:
         """step() begins: host parameters whose window step has not run take the edits made

@@ -83,6 +83,7 @@ class ProtocolState:
     zero_fill: bool = False  # zero_grad(set_to_none=False): step grad-less parameters with zeros
     zeroed: bool = False  # no window was stepped since that zero_grad: torch's .grad tensors hold zeros
     warned_zero_grad: bool = False
+    warned_no_gradient: bool = False  # step() with no gradient since the last one: said once
     blocked_s: float = 0.0
     last_stats: dict = field(default_factory=dict)
     # overlap_forward: step() returned with the window's last chunks in flight; they land

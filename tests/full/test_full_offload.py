@@ -677,3 +677,30 @@ def test_copying_or_pickling_full_offload_is_refused_with_a_clear_error():
         with pytest.raises(TypeError, match="cannot be copied or pickled .* save opt.state_dict"):
             how(off)
     off.close()
+
+
+def test_a_step_with_no_gradient_since_the_last_one_says_so_once():
+    """PEFT's load_adapter (HF Trainer's resume) replaces bf16 adapters by new fp32
+    parameters: the optimizer kept its old ones, got no gradient, and every step did nothing
+    without a word. Such a step now warns (once), naming the likely cause."""
+    model, opt = build("adamw")
+    off = FullCPUOffloadOptimizer(opt, **SMALL)
+    x = torch.randn(2, 24, dtype=torch.bfloat16)
+    model(x).float().sum().backward()
+    off.step()
+    off.zero_grad()
+    with torch.no_grad():  # the parameters replaced, as PEFT's cast to fp32 replaces them
+        for module in model.modules():
+            for name, p in list(module.named_parameters(recurse=False)):
+                setattr(module, name, torch.nn.Parameter(p.detach().float()))
+    steps = [r.step for r in records_of(off)]
+    with pytest.warns(RuntimeWarning, match=r"no gradient for any .* parameters .*\(PEFT's load_adapter"):
+        model(x.float()).sum().backward()
+        off.step()
+    off.zero_grad()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        model(x.float()).sum().backward()
+        off.step()
+    assert [r.step for r in records_of(off)] == steps
+    off.close()
