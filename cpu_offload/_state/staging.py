@@ -96,6 +96,7 @@ class StateStaging:
         self.arrival: list = []  # parameters in the order their first gradient arrived
         self.h2d_bytes = 0  # since the last step, prefetches included
         self.timing = None  # the last step's timing events around the wait for copy-ins
+        self.refused = None  # why this optimizer's state cannot be offloaded, once a step showed it
         self.last_stats = {"h2d_bytes": 0, "d2h_bytes": 0, "prefetched_bytes": 0, "step_copied_bytes": 0,
                            "overlapped_d2h_bytes": 0, "step_blocked_s": 0.0, "copy_wait_s": 0.0, "host_bytes": 0}
         # NOTE: hooks run on autograd's device threads (FSDP2: on its reduce path);
@@ -219,6 +220,8 @@ class StateStaging:
         between the two left the step's new moments lost behind already updated weights; and
         an interrupt inside the wrapped step leaves some parameters stepped and others not.
         So a Ctrl-C never leaves the step half taken."""
+        if self.refused is not None:
+            raise RuntimeError(self.refused)
         start = time.perf_counter()
         self.hook_params()
         used = copied = 0
@@ -226,8 +229,10 @@ class StateStaging:
             try:
                 with self.lock:
                     used, copied = self._bring_in()
+                    placed = {id(value) for *_, value in self._device_state()}
                 self.stepping = True
                 step()
+                self._refuse_shared_storage(placed)
             finally:
                 self.stepping = False
                 with self.lock:
@@ -249,6 +254,50 @@ class StateStaging:
         """Every parameter, in the order gradients arrived, then the others."""
         rest = [p for g in self.optimizer.param_groups for p in g["params"] if id(p) not in self.arrived]
         return self.arrival + rest
+
+    def _device_state(self) -> list:
+        """(name, key, value) of every state tensor the step may update in place (dim >= 1, on
+        its parameter's device)."""
+        found = []
+        for g, group in enumerate(self.optimizer.param_groups):
+            for i, p in enumerate(group["params"]):
+                device = local_of(p).device
+                for key, value in (self.optimizer.state.get(p) or {}).items():
+                    if isinstance(value, torch.Tensor) and value.dim() > 0 and local_of(value).device == device:
+                        found.append((f"param_groups[{g}][{i}]", key, value))
+        return found
+
+    def _refuse_shared_storage(self, placed: set) -> None:
+        """Raise (and refuse every later step) if the step just run made state tensors that share
+        storage: views into a larger tensor, or one storage under two entries."""
+        # NOTE: each state tensor moves to its own host buffer, and the next step gets a fresh
+        # device copy of it. An optimizer that keeps views into a buffer it updates through
+        # another reference (one flat buffer, one op per step) would go on stepping that
+        # buffer while state_dict() saved the first step's values. Only tensors the step
+        # itself made are checked: a checkpoint loaded with views (torch.save keeps them) is
+        # moved apart by the load, as a per-tensor optimizer such as AdamW expects.
+        owners: dict = {}
+        for name, key, value in self._device_state():
+            local = local_of(value)
+            if id(value) in placed or local.numel() == 0:
+                continue
+            storage = local.untyped_storage()
+            where = f"{type(self.optimizer).__name__}'s state {name}['{key}']"
+            if storage.nbytes() > _nbytes(local):
+                self.refused = (
+                    f"{where} is a view into a larger tensor ({storage.nbytes()} bytes, the view {_nbytes(local)}), "
+                    "which the optimizer's step may update through another reference: offload='optimizer' moves "
+                    "each state tensor to its own host buffer between steps, so that buffer would no longer be the "
+                    "state and state_dict() would not save what the step uses. Keep each state tensor in its own "
+                    "storage, or use offload='none' for this optimizer.")
+                raise RuntimeError(self.refused)
+            other = owners.setdefault(storage.data_ptr(), where)
+            if other != where:
+                self.refused = (
+                    f"{where} shares its storage with {other}: offload='optimizer' moves each state tensor to its "
+                    "own host buffer between steps, which would part them. Keep each state tensor in its own "
+                    "storage, or use offload='none' for this optimizer.")
+                raise RuntimeError(self.refused)
 
     def _bring_in(self) -> tuple:
         """Swap the prefetched copies into the state, copy in the rest; returns

@@ -350,3 +350,90 @@ def test_copying_or_pickling_the_wrapper_is_refused_with_a_clear_error():
     for how in (copy.deepcopy, pickle.dumps, lambda o: torch.save(o, io.BytesIO())):
         with pytest.raises(TypeError, match="cannot be copied or pickled .* save opt.state_dict"):
             how(wrapped)
+
+
+class FlatMomentum(torch.optim.Optimizer):
+    """Heavy-ball momentum kept in one flat buffer that the step updates with one op;
+    ``state[p]["m"]`` is a view into it (a multi-tensor pattern)."""
+
+    def __init__(self, params, lr=1e-2, beta=0.9):
+        super().__init__(params, dict(lr=lr, beta=beta))
+        self.flat = None
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        params = [p for g in self.param_groups for p in g["params"]]
+        if self.flat is None:
+            self.flat = torch.zeros(sum(p.numel() for p in params))
+            for p, view in zip(params, self.flat.split([p.numel() for p in params])):
+                self.state[p]["m"] = view.view_as(p)
+        self.flat.mul_(self.defaults["beta"]).add_(torch.cat([p.grad.reshape(-1) for p in params]))
+        for p in params:
+            p.sub_(self.state[p]["m"], alpha=self.defaults["lr"])
+
+
+def test_state_that_is_a_view_into_a_buffer_the_step_keeps_is_refused_at_the_first_step():
+    # Moving each view to its own host buffer would leave the optimizer stepping its flat
+    # buffer while state_dict() saved the first step's moments: a resume would go wrong.
+    model, data = model_and_data()
+    wrapped = StateOffloadOptimizer(FlatMomentum(model.parameters()))
+    model(data[0]).pow(2).mean().backward()
+    with pytest.raises(RuntimeError, match=r"param_groups\[0\]\[0\]\['m'\] is a view into a larger tensor"):
+        wrapped.step()
+    model(data[1]).pow(2).mean().backward()
+    before = [p.detach().clone() for p in model.parameters()]
+    with pytest.raises(RuntimeError, match=r"param_groups\[0\]\[0\]\['m'\] is a view into a larger tensor"):
+        wrapped.step()  # refused again, before stepping: the flat buffer is still what the step updates
+    assert all(torch.equal(a, p) for a, p in zip(before, model.parameters()))
+
+
+def test_a_checkpoint_whose_state_tensors_share_one_storage_loads_and_steps_exactly():
+    # torch.save keeps views as views: a checkpoint written from view state loads as views
+    # into one storage. AdamW steps each tensor on its own, so moving them apart is right.
+    m1, data = model_and_data()
+    m2, _ = model_and_data()
+    source = torch.optim.AdamW(m1.parameters(), lr=1e-2)
+    train(m1, source, data[:2])
+    sd = source.state_dict()
+    for key in ("exp_avg", "exp_avg_sq"):
+        flat = torch.cat([s[key].reshape(-1) for s in sd["state"].values()])
+        for s, view in zip(sd["state"].values(), flat.split([s[key].numel() for s in sd["state"].values()])):
+            s[key] = view.view_as(s[key])
+    buffer = io.BytesIO()
+    torch.save(sd, buffer)
+    buffer.seek(0)
+    plain = torch.optim.AdamW(m1.parameters(), lr=1e-2)
+    wrapped = StateOffloadOptimizer(torch.optim.AdamW(m2.parameters(), lr=1e-2))
+    m2.load_state_dict(m1.state_dict())
+    plain.load_state_dict(torch.load(buffer))
+    buffer.seek(0)
+    wrapped.load_state_dict(torch.load(buffer))
+    train(m1, plain, data[2:])
+    train(m2, wrapped, data[2:])
+    for a, b in zip(m1.parameters(), m2.parameters()):
+        assert torch.equal(a, b)
+
+
+class AliasedMomentum(torch.optim.Optimizer):
+    """Momentum kept under two keys of one tensor: the step writes "m", the checkpoint reads "saved"."""
+
+    def __init__(self, params, lr=1e-2):
+        super().__init__(params, dict(lr=lr))
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        for p in self.param_groups[0]["params"]:
+            state = self.state[p]
+            if not state:
+                state["m"] = state["saved"] = torch.zeros_like(p)
+            state["m"].mul_(0.9).add_(p.grad)
+            p.sub_(state["m"], alpha=self.defaults["lr"])
+
+
+def test_state_tensors_sharing_one_storage_are_refused_at_the_first_step():
+    model, data = model_and_data()
+    wrapped = StateOffloadOptimizer(AliasedMomentum(model.parameters()))
+    model(data[0]).pow(2).mean().backward()
+    with pytest.raises(RuntimeError, match=r"param_groups\[0\]\[0\]\['saved'\] shares its storage with "
+                                           r"AliasedMomentum's state param_groups\[0\]\[0\]\['m'\]"):
+        wrapped.step()
