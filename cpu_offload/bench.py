@@ -20,6 +20,7 @@ import statistics
 import sys
 import time
 
+import psutil
 import torch
 
 from cpu_offload import kernels
@@ -37,6 +38,9 @@ CONFIGS = {
     "adamw_inverse fp32 grads": 28,  # p rw 8, g 4, m rw 8, v rw 8
     "adamw_inverse bf16 states": 18,  # p rw 8, g 2, m rw 4, v rw 4 (bf16 moments)
 }
+# Host bytes per element a run holds at once: the Workload (fp32 params, grads, m, v: 16;
+# bf16 grads, m, v, out: 8) and the torch-op inverse's temporaries (three fp32 per element).
+WORKLOAD_BYTES_PER_ELEMENT = 24 + 12
 # bf16-moment configuration -> the same configuration with fp32 moments, timed alternately
 # with it for the "x fp32 states" ratio of elements per second.
 FP32_STATES_OF = {"adamw bf16 states->bf16": "adamw bf16 grads->bf16"}
@@ -74,6 +78,20 @@ def _alternating_median_seconds(fns, repeats: int):
             fn()
             fn_times.append(time.perf_counter() - t0)
     return [statistics.median(t) for t in times]
+
+
+def probe_numel(numel: int) -> int:
+    # NOTE: the probe array must be far larger than the last-level cache (servers have 100+ MB).
+    return max(4 * numel, 1 << 27)
+
+
+def bytes_needed(numel: int) -> int:
+    """Host bytes a run over ``numel`` elements allocates: the workload and the bandwidth probe."""
+    return WORKLOAD_BYTES_PER_ELEMENT * numel + 4 * probe_numel(numel)
+
+
+def available_bytes() -> int:
+    return psutil.virtual_memory().available
 
 
 def measure_bandwidth(numel: int, repeats: int) -> float:
@@ -261,6 +279,10 @@ def _parse(argv):
     args = ap.parse_args(argv)
     if args.numel < 1 or args.tensors < 1 or args.tensors > args.numel:
         ap.error("--numel and --tensors must be >= 1, with --tensors <= --numel")
+    needed, available = bytes_needed(args.numel), available_bytes()
+    if needed > available:  # NOTE: before anything is allocated: a usage error, not the allocator's
+        ap.error(f"--numel {args.numel} needs about {needed / 2**30:.1f} GiB of RAM (the workload and the "
+                 f"bandwidth probe); {available / 2**30:.1f} GiB is available")
     if args.repeats < 1:
         ap.error("--repeats must be >= 1")
     if args.threads is not None and args.threads < 1:
@@ -289,8 +311,7 @@ def main(argv=None) -> int:
 
     _progress(f"allocating {args.numel:,} elements in {args.tensors:,} tensors")
     work = Workload(args.numel, args.tensors)
-    # NOTE: the probe array must be far larger than the last-level cache (servers have 100+ MB).
-    probe_gbs = measure_bandwidth(max(4 * args.numel, 1 << 27), args.repeats)
+    probe_gbs = measure_bandwidth(probe_numel(args.numel), args.repeats)
     _progress(f"bandwidth probe: {probe_gbs:.1f} GB/s")
     torch_step = work.torch_fused_adamw()
     torch_seconds = _median_seconds(torch_step, args.repeats)

@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import contextlib
 import math
+import numbers
 import os
 import threading
 import weakref
@@ -36,7 +37,7 @@ from typing import Iterator, Optional, Sequence
 
 import torch
 
-from cpu_offload._common.checks import check_int
+from cpu_offload._common.checks import check_float32, check_int
 from cpu_offload import _C
 from cpu_offload._common.cpulist import format_cpulist
 
@@ -151,6 +152,7 @@ def get_pinned_cpus() -> Optional[list]:
 # a subclass or mode cannot make the kernels see memory other than the tensor's.
 _T = torch.Tensor
 _data_ptr, _numel, _is_contiguous = _T.data_ptr, _T.numel, _T.is_contiguous
+_is_neg, _is_conj = _T.is_neg, _T.is_conj
 _dtype, _is_cpu, _layout, _shape = _T.dtype.__get__, _T.is_cpu.__get__, _T.layout.__get__, _T.shape.__get__
 _ACCESSORS = (_T.data_ptr, torch._C.TensorBase.nbytes, _T.is_contiguous)  # for TensorBatch.unchanged
 _TRUE_MEMORY = torch._C.DisableTorchFunction
@@ -195,6 +197,14 @@ def _check_list(name, tensors, count, dtypes, like=None):
         dtype = d
         if not _is_contiguous(t):
             raise ValueError(f"{name}[{i}] is not contiguous")
+        # NOTE: a lazily negated (or conjugated) view's memory holds the values of its base;
+        # the kernels read memory, so they would see the wrong sign. The bit never changes in
+        # place, so a cache hit need not check it again.
+        if _is_neg(t) or _is_conj(t):
+            what, fix = ("negated view (is_neg())", "resolve_neg") if _is_neg(t) else \
+                ("conjugated view (is_conj())", "resolve_conj")
+            raise ValueError(f"{name}[{i}] is a lazily {what}: its memory does not hold its values, "
+                             f"which the kernels read; pass t.{fix}() (or t.clone())")
         n = _numel(t)
         if like is not None:
             first, other = like[0], like[1][i]
@@ -278,20 +288,33 @@ def _prepared(kind: str, named_lists, dtypes_by_name):
 
 
 def _check_scalar(name, value, *, low=None, high=None, high_open=False):
-    """A finite float in [low, high] (or [low, high)); -0.0 becomes 0.0."""
+    """A finite float in [low, high] (or [low, high)) that float32 holds; -0.0 becomes 0.0.
+
+    Any real number (numpy's included, not a bool) or a one-element tensor. The constants
+    the kernels derive from several values (1 - lr*weight_decay, the bias-corrected step
+    size) are checked by the native code, which raises ValueError naming the values.
+    """
     if isinstance(value, torch.Tensor):
         if value.numel() != 1:
             raise ValueError(f"{name} must be a number or a one-element tensor")
-        value = value.item()
-    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        try:
+            value = value.item()
+        except (RuntimeError, NotImplementedError) as e:  # a meta or fake tensor holds no value
+            raise ValueError(f"{name}: cannot read the value of this {value.device.type} tensor ({e}); "
+                             "pass a number or a CPU tensor") from None
+    if isinstance(value, bool) or not isinstance(value, numbers.Real):
         raise TypeError(f"{name} must be a number, got {type(value).__name__}")
-    value = float(value)
+    try:
+        value = float(value)
+    except OverflowError:  # an int beyond any double
+        value = math.inf if value > 0 else -math.inf
     if not math.isfinite(value):
         raise ValueError(f"{name} must be finite, got {value}")
     if low is not None and value < low:
         raise ValueError(f"{name} must be >= {low}, got {value}")
     if high is not None and (value >= high if high_open else value > high):
         raise ValueError(f"{name} must be {'<' if high_open else '<='} {high}, got {value}")
+    check_float32(name, value)
     return value + 0.0  # NOTE: -0.0 + 0.0 is +0.0: a zero factor never flips the sign of a zero
 
 

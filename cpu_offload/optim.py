@@ -6,12 +6,35 @@ CPU tensors, so full offload can take a SignSGD optimizer and run it on the CPU.
 """
 from __future__ import annotations
 
+import math
 import numbers
 
 import torch
 from torch.optim import Optimizer
 
+from cpu_offload._common.checks import check_float32
+
 __all__ = ["SignSGD"]
+
+
+def _check_group(g: int, group: dict) -> None:
+    """Raise naming ``param_groups[g][key]`` unless lr and weight_decay are finite real
+    numbers >= 0 whose float32 constants (lr, 1 - lr*weight_decay) are finite too."""
+    values = {}
+    for key in ("lr", "weight_decay"):
+        v = group[key]
+        name = f"param_groups[{g}]['{key}']"
+        if isinstance(v, bool) or not isinstance(v, numbers.Real):
+            raise TypeError(f"{name} must be a number, got {v!r}")
+        try:
+            values[key] = float(v)
+        except OverflowError:  # an int beyond any double
+            values[key] = math.inf
+        if not (math.isfinite(values[key]) and values[key] >= 0):
+            raise ValueError(f"{name} is {v}: it must be finite and >= 0")
+        check_float32(name, values[key])
+    check_float32(f"param_groups[{g}]['weight_decay']", 1.0 - values["lr"] * values["weight_decay"],
+                  "1 - lr * weight_decay")
 
 
 class SignSGD(Optimizer):
@@ -21,6 +44,11 @@ class SignSGD(Optimizer):
         params: iterable of parameters or param groups.
         lr: step size (default 1e-3).
         weight_decay: decoupled weight decay coefficient (default 0).
+
+    Every group's lr and weight_decay must be finite real numbers >= 0 whose float32
+    constants (lr, 1 - lr*weight_decay) are finite, as the native kernel needs; a group is
+    checked when it is added and again at each ``step()`` (after ``load_state_dict`` or an
+    edit), and a bad value raises naming ``param_groups[g]['lr']`` or ``['weight_decay']``.
     """
 
     def __init__(self, params, lr: float = 1e-3, *, weight_decay: float = 0.0):
@@ -33,12 +61,22 @@ class SignSGD(Optimizer):
                 raise ValueError(f"{name} must be >= 0, got {value}")
         super().__init__(params, dict(lr=lr, weight_decay=weight_decay))
 
+    def add_param_group(self, param_group: dict) -> None:
+        # NOTE: torch's __init__ adds its groups through here, so this checks them too.
+        if isinstance(param_group, dict):
+            _check_group(len(self.param_groups), {**self.defaults, **param_group})
+        super().add_param_group(param_group)
+
     @torch.no_grad()
     def step(self, closure=None):
         loss = None
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
+        # NOTE: load_state_dict and direct edits (schedulers, users) bypass add_param_group;
+        # every group is checked before any parameter changes.
+        for g, group in enumerate(self.param_groups):
+            _check_group(g, group)
         for group in self.param_groups:
             lr, wd = group["lr"], group["weight_decay"]
             for p in group["params"]:

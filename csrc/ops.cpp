@@ -73,8 +73,11 @@ void adamw(const TensorBatch& b, int grad_dtype, int moment_dtype, int out_kind,
     if (steps[t] < 0 || steps[t] == std::numeric_limits<int64_t>::max())
       throw std::invalid_argument("adamw: steps[" + std::to_string(t) + "] is " + std::to_string(steps[t]) +
                                   "; a step count is >= 0 (the steps taken before this one)");
+  // NOTE: adamw_scalars throws for a constant that overflows float32, so every tensor's
+  // scalars are computed before any count is incremented.
   std::vector<AdamWScalars> scalars(b.size());
-  for (int64_t t = 0; t < b.size(); ++t) scalars[t] = adamw_scalars(h, ++steps[t]);
+  for (int64_t t = 0; t < b.size(); ++t) scalars[t] = adamw_scalars(h, steps[t] + 1);
+  for (int64_t t = 0; t < b.size(); ++t) ++steps[t];
   const KernelTable& k = active_kernels();
   const int gsz = width(gd), msz = width(md), osz = width(ok);
   b.parallel_ranges([&](int64_t t, int64_t lo, int64_t hi) {

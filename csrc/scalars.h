@@ -1,6 +1,7 @@
 // The per-tensor float32 constants of each kernel, folded once per tensor in double from
 // the Python hyper-parameters. The forward step and its inverse both take them from here,
-// so an inverse recomputes the forward's update with the very same constants.
+// so an inverse recomputes the forward's update with the very same constants. Both throw
+// std::invalid_argument, naming the hyper-parameters, when a constant overflows float32.
 #pragma once
 #include <cstdint>
 #include "kernel_table.h"

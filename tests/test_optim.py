@@ -1,8 +1,11 @@
-# cpu_offload.SignSGD (a torch optimizer) equals the native sign_sgd kernel bit for bit.
+# cpu_offload.SignSGD (a torch optimizer) equals the native sign_sgd kernel bit for bit; it
+# refuses a bad lr or weight_decay in any param group, and so does full offload's
+# read_hparams, values whose float32 constants overflow included.
 import pytest
 import torch
 
 from cpu_offload import SignSGD, kernels
+from cpu_offload._full.options import read_hparams
 from helpers import gen
 
 
@@ -47,3 +50,76 @@ def test_sign_sgd_works_with_bf16_params_and_lr_scheduler():
         opt.step()
         sched.step()
     assert p.detach().tolist() == [-1.5, 1.5, 0.0, -1.5]
+
+
+def _sign_sgd_group_error(group, error, words):
+    p = torch.zeros(3, requires_grad=True)
+    with pytest.raises(error, match=words):
+        SignSGD([{"params": [torch.zeros(2, requires_grad=True)]}, dict(group, params=[p])], lr=0.1)
+
+
+@pytest.mark.parametrize("group, error, words", [
+    (dict(lr=-1.0), ValueError, r"param_groups\[1\]\['lr'\] is -1.0: it must be finite and >= 0"),
+    (dict(lr=float("inf")), ValueError, r"param_groups\[1\]\['lr'\] is inf"),
+    (dict(weight_decay=float("nan")), ValueError, r"param_groups\[1\]\['weight_decay'\] is nan"),
+    (dict(lr="0.1"), TypeError, r"param_groups\[1\]\['lr'\] must be a number, got '0.1'"),
+    (dict(weight_decay=torch.tensor(0.1)), TypeError, r"param_groups\[1\]\['weight_decay'\] must be a number"),
+    (dict(lr=1e39), ValueError, r"param_groups\[1\]\['lr'\] is 1e\+39, which overflows float32"),
+    (dict(weight_decay=2**1100), ValueError, r"param_groups\[1\]\['weight_decay'\] is \d+: it must be finite"),
+    (dict(lr=1e20, weight_decay=1e20), ValueError,
+     r"param_groups\[1\]\['weight_decay'\] gives 1 - lr \* weight_decay = -1e\+40, which overflows float32"),
+])
+def test_sign_sgd_refuses_a_bad_group_at_construction(group, error, words):
+    _sign_sgd_group_error(group, error, words)
+
+
+def test_sign_sgd_refuses_bad_groups_added_loaded_or_edited_later():
+    p, q = torch.zeros(3, requires_grad=True), torch.zeros(2, requires_grad=True)
+    opt = SignSGD([p], lr=0.5)
+    with pytest.raises(ValueError, match=r"param_groups\[1\]\['lr'\] is nan"):
+        opt.add_param_group({"params": [q], "lr": float("nan")})
+    assert len(opt.param_groups) == 1  # refused before it was added
+    opt.add_param_group({"params": [q], "weight_decay": 0.1})  # the defaults fill the rest
+    state = opt.state_dict()
+    state["param_groups"][0]["lr"] = -5.0
+    opt.load_state_dict(state)
+    p.grad = torch.ones(3)
+    with pytest.raises(ValueError, match=r"param_groups\[0\]\['lr'\] is -5.0"):
+        opt.step()
+    assert torch.equal(p.detach(), torch.zeros(3))  # nothing stepped
+    opt.param_groups[0]["lr"] = 0.5
+    opt.param_groups[1]["weight_decay"] = float("inf")
+    with pytest.raises(ValueError, match=r"param_groups\[1\]\['weight_decay'\] is inf"):
+        opt.step()
+    assert torch.equal(p.detach(), torch.zeros(3))  # checked before any group steps
+    opt.param_groups[1]["weight_decay"] = 0.0
+    opt.step()
+    assert torch.equal(p.detach(), torch.full((3,), -0.5))
+
+
+def test_sign_sgd_accepts_large_values_whose_float32_constants_are_finite():
+    p = torch.tensor([1.0, 2.0, 3.0], requires_grad=True)
+    opt = SignSGD([p], lr=1e30, weight_decay=1e-31)
+    p.grad = torch.tensor([1.0, 0.0, -1.0])
+    opt.step()
+    flat = torch.tensor([1.0, 2.0, 3.0])
+    kernels.sign_sgd_step([flat], [p.grad], lr=1e30, weight_decay=1e-31)
+    assert torch.equal(p.detach(), flat) and torch.isfinite(flat).all()
+
+
+@pytest.mark.parametrize("algorithm, group, words", [
+    ("adamw", dict(lr=1e39), r"param_groups\[1\]\['lr'\] is 1e\+39, which overflows float32"),
+    ("adamw", dict(eps=1e39), r"param_groups\[1\]\['eps'\] is 1e\+39, which overflows float32"),
+    ("adamw", dict(weight_decay=1e42), r"param_groups\[1\]\['weight_decay'\] is 1e\+42, which overflows"),
+    ("adamw", dict(lr=1e20, weight_decay=1e20), r"param_groups\[1\]\['weight_decay'\] gives 1 - lr \* weight_decay"),
+    ("adamw", dict(lr=1e33, betas=(0.999999, 0.0)),
+     r"param_groups\[1\]\['lr'\] gives the bias-corrected step size .* = 1e\+39, which overflows float32"),
+    ("sign_sgd", dict(lr=1e39), r"param_groups\[1\]\['lr'\] is 1e\+39, which overflows float32"),
+    ("sign_sgd", dict(lr=1e20, weight_decay=1e20), r"param_groups\[1\]\['weight_decay'\] gives 1 - lr"),
+])
+def test_read_hparams_refuses_groups_whose_float32_constants_overflow(algorithm, group, words):
+    good = dict(lr=1e-3, weight_decay=0.01, betas=(0.9, 0.999), eps=1e-8)
+    with pytest.raises(ValueError, match=words):
+        read_hparams([good, dict(good, **group)], algorithm)
+    large = dict(good, lr=1e30, weight_decay=1e-31)  # every derived constant is finite
+    assert read_hparams([large], algorithm)[0]["lr"] == 1e30

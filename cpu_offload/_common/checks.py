@@ -1,14 +1,18 @@
 # Argument checks shared by the public entry points, with messages that name the argument.
 #
 # Scope: whole-number options (an int, never a bool, at least some bound; None where the
-# option has a default meaning). Non-goals: checks of one entry point only (they stay
+# option has a default meaning); hyper-parameters and the constants derived from them that
+# the kernels narrow to float32. Non-goals: checks of one entry point only (they stay
 # beside it).
 
 from __future__ import annotations
 
+import struct
 from typing import Optional
 
-__all__ = ["check_int"]
+__all__ = ["check_int", "check_float32"]
+
+FLOAT32_MAX = 3.4028234663852886e38
 
 
 def check_int(name: str, value, *, low: int, none: Optional[str] = None, detail: str = "") -> None:
@@ -22,3 +26,18 @@ def check_int(name: str, value, *, low: int, none: Optional[str] = None, detail:
     if isinstance(value, bool) or not isinstance(value, int) or value < low:
         allowed = "" if none is None else "None" + (f" ({none})" if none else "") + " or "
         raise ValueError(f"{name} must be {allowed}an int >= {low}{detail}, got {value!r}")
+
+
+def check_float32(name: str, value: float, derived: str = "") -> None:
+    """Raise ValueError naming ``name`` when the finite ``value`` rounds to an infinity in
+    float32, the precision the kernels compute in (csrc/scalars.cpp checks the same).
+
+    ``derived``: what ``value`` is when it is a constant computed from ``name`` (e.g.
+    ``"1 - lr * weight_decay"``), shown in the message.
+    """
+    try:
+        struct.pack("<f", value)  # NOTE: raises OverflowError exactly when float(value) rounds to +-inf
+    except OverflowError:
+        subject = f"{name} gives {derived} = {value:g}" if derived else f"{name} is {value:g}"
+        raise ValueError(f"{subject}, which overflows float32 (largest finite {FLOAT32_MAX:.4g}): "
+                         "the kernels compute in float32") from None

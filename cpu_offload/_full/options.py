@@ -16,7 +16,7 @@ from typing import Optional
 
 import torch
 
-from cpu_offload._common.checks import check_int
+from cpu_offload._common.checks import check_float32, check_int
 from cpu_offload._common.wrapping import check_not_offloaded
 from cpu_offload.optim import SignSGD
 from cpu_offload._full.packing import align_up
@@ -200,6 +200,20 @@ def _length(items) -> Optional[int]:
         return None
 
 
+def _check_float32_constants(g: int, values: dict, algorithm: str) -> None:
+    """Raise ValueError, naming the group's key, when a constant the kernels derive from
+    the group's values overflows float32 (csrc/scalars.cpp would refuse it mid-window)."""
+    lr = values["lr"]
+    check_float32(f"param_groups[{g}]['weight_decay']", 1.0 - lr * values["weight_decay"], "1 - lr * weight_decay")
+    if algorithm == "adamw":
+        # NOTE: the step size lr*sqrt(1 - beta2^t)/(1 - beta1^t) is largest at t = 1 or in the
+        # limit t -> inf (lr, checked above): as a function of x = beta1^t its logarithm has
+        # no interior maximum, so these two cover every step count.
+        first = lr * math.sqrt(1.0 - values["beta2"]) / (1.0 - values["beta1"])
+        check_float32(f"param_groups[{g}]['lr']", first,
+                      "the bias-corrected step size lr * sqrt(1 - beta2) / (1 - beta1) of step 1")
+
+
 def read_hparams(param_groups, algorithm: str, *, bf16_moments: bool = False) -> list:
     """Per-group hyper-parameters as floats, checked here so that a bad value
     raises on the caller's thread, naming the group, before any chunk is stepped."""
@@ -226,7 +240,9 @@ def read_hparams(param_groups, algorithm: str, *, bf16_moments: bool = False) ->
                 v = float(v)
                 if not math.isfinite(v) or v < 0 or (key == "betas" and v >= 1):
                     raise ValueError(f"{name} is {v}: it must be finite and >= 0" + (" and < 1" if key == "betas" else ""))
+                check_float32(name, v)
                 values[key if key != "betas" else f"beta{i + 1}"] = v
+        _check_float32_constants(g, values, algorithm)
         if algorithm == "adamw" and group.get("decoupled_weight_decay", True) is False and values["weight_decay"]:
             # NOTE: torch's AdamW honours the key: False is Adam's L2 penalty (g + wd*p), which
             # the kernels do not run; a torch.optim.Adam checkpoint loaded here sets it.

@@ -88,3 +88,18 @@ def test_help_explains_columns_and_timing(capsys):
         assert f"\n  {column} " in text, column
     assert "median time of one call over --repeats timed calls (default 7)" in text
     assert "above 100% is possible" in text and "``" not in text
+
+
+def test_bench_refuses_a_numel_beyond_available_memory(monkeypatch, capsys):
+    # Checked before anything is allocated: a usage error, not the allocator's traceback.
+    with pytest.raises(SystemExit) as e:
+        bench.main(["--numel", "99999999999999999"])
+    assert e.value.code == 2
+    err = capsys.readouterr().err
+    assert "--numel 99999999999999999 needs about" in err and "available" in err
+    # the bandwidth probe (at least 128M floats) counts too, also for a small workload
+    assert bench.bytes_needed(4099) >= 4 << 27
+    monkeypatch.setattr(bench, "available_bytes", lambda: 256 << 20)
+    with pytest.raises(SystemExit) as e:
+        bench.main(["--numel", "4099"])
+    assert e.value.code == 2 and "--numel 4099 needs about 0.5 GiB" in capsys.readouterr().err

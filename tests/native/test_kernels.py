@@ -7,6 +7,7 @@ import os
 import subprocess
 import sys
 
+import numpy as np
 import pytest
 import torch
 
@@ -340,6 +341,78 @@ def test_adamw_grad_scale_zero_is_the_step_with_zero_gradients():
         _assert_same_bits(args[key], zeros[key])
         _assert_same_bits(negzero[key], zeros[key])
     assert torch.equal(args["steps"], zeros["steps"])
+
+
+_ADAMW = dict(lr=1e-3, beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=0.01)
+
+
+@pytest.mark.parametrize("kernel, hyper, words", [
+    ("sign_sgd", dict(lr=1e39, weight_decay=0.0), r"lr is 1e\+39, which overflows float32"),
+    ("sign_sgd", dict(lr=1.0, weight_decay=1e42), r"weight_decay is 1e\+42, which overflows float32"),
+    ("sign_sgd", dict(lr=1e20, weight_decay=1e20), r"lr \* weight_decay .* overflows float32"),
+    ("sign_sgd_inverse", dict(lr=1e20, weight_decay=1e20), r"lr \* weight_decay .* overflows float32"),
+    ("adamw", dict(_ADAMW, grad_scale=1e39), r"grad_scale is 1e\+39, which overflows float32"),
+    ("adamw", dict(_ADAMW, eps=1e39), r"eps is 1e\+39, which overflows float32"),
+    ("adamw", dict(_ADAMW, lr=1e20, weight_decay=1e20), r"lr \* weight_decay .* overflows float32"),
+    # lr fits float32; the bias-corrected step size lr*sqrt(1 - beta2^t)/(1 - beta1^t) does not
+    ("adamw", dict(_ADAMW, lr=1e34, beta1=0.999999, beta2=0.0), r"lr: the bias-corrected step size .* overflows float32"),
+    ("adamw_inverse", dict(_ADAMW, lr=1e34, beta1=0.999999, beta2=0.0), r"lr: the bias-corrected step size .* overflows float32"),
+])
+def test_hyperparameters_that_overflow_float32_are_refused_and_change_nothing(kernel, hyper, words):
+    """Finite as doubles, but the kernels compute in float32: a value, or a constant the kernel
+    derives from it, that rounds to infinity there would make inf/NaN weights."""
+    args = _random_adamw_args([(16,), (3, 5), (7,)], seed=int.from_bytes(os.urandom(4), "little"))
+    args["steps"] += 1  # an inverse step undoes a step >= 1
+    before = _snapshot(args)
+    with pytest.raises(ValueError, match=words):
+        if kernel.startswith("adamw"):
+            getattr(kernels, f"{kernel}_step")(**args, **hyper)
+        else:
+            getattr(kernels, f"{kernel}_step")(args["params"], args["grads"], **hyper)
+    assert _unchanged(args, before)
+
+
+def test_large_hyperparameters_whose_float32_constants_are_finite_are_accepted():
+    p, g = torch.tensor([1.0, 2.0, 3.0]), torch.tensor([1.0, 0.0, -1.0])
+    kernels.sign_sgd_step([p], [g], lr=1e30, weight_decay=0.0)
+    assert torch.equal(p, torch.tensor([-1e30, 2.0, 1e30]))
+    args = _random_adamw_args([(16,), (3, 5)], seed=int.from_bytes(os.urandom(4), "little"))
+    args["grads"] = [t * 1e-33 for t in args["grads"]]  # times grad_scale: about 1e-3
+    kernels.adamw_step(**args, **dict(_ADAMW, lr=1e30, weight_decay=1e-31), grad_scale=1e30)
+    assert all(torch.isfinite(t).all() for t in args["params"] + args["exp_avgs"] + args["exp_avg_sqs"])
+
+
+def test_numpy_scalars_are_numbers_and_a_tensor_without_a_value_is_named():
+    for lr in (np.float32(0.5), np.float64(0.5), np.int64(1)):
+        p = torch.tensor([1.0, 0.0, 2.0])
+        kernels.sign_sgd_step([p], [torch.tensor([1.0, -1.0, 0.0])], lr=lr, weight_decay=np.float32(0.0))
+        assert torch.equal(p, torch.tensor([1.0 - float(lr), float(lr), 2.0]))
+    args = _random_adamw_args([(16,)], seed=0)
+    kernels.adamw_step(**args, lr=np.float32(1e-3), beta1=np.float64(0.9), beta2=np.float32(0.5), eps=1e-8,
+                       weight_decay=np.int64(0), grad_scale=np.float32(2.0))
+    with pytest.raises(TypeError, match=r"lr must be a number, got bool_?"):
+        kernels.sign_sgd_step([torch.zeros(3)], [torch.zeros(3)], lr=np.bool_(True), weight_decay=0.0)
+    with pytest.raises(ValueError, match=r"lr must be finite"):
+        kernels.sign_sgd_step([torch.zeros(3)], [torch.zeros(3)], lr=2**1100, weight_decay=0.0)
+    with pytest.raises(ValueError, match=r"lr: .*meta"):
+        kernels.sign_sgd_step([torch.zeros(3)], [torch.zeros(3)], lr=torch.zeros((), device="meta"),
+                              weight_decay=0.0)
+    with pytest.raises(ValueError, match=r"grad_scale: .*meta"):
+        kernels.adamw_step(**args, **_ADAMW, grad_scale=torch.ones(1, device="meta"))
+
+
+def test_lazily_negated_views_are_refused():
+    """``torch.tensor([1+2j]).conj().imag`` is a contiguous float32 tensor of value -2 whose
+    memory holds +2 (is_neg()): the kernels read memory, so they would see the wrong sign."""
+    neg = torch.tensor([1 + 2j]).conj().imag
+    assert neg.is_neg() and neg.is_contiguous() and neg.dtype == torch.float32
+    with pytest.raises(ValueError, match=r"grads\[0\] is a lazily negated view .*resolve_neg"):
+        kernels.sign_sgd_step([torch.zeros(1)], [neg], lr=0.1, weight_decay=0.0)
+    with pytest.raises(ValueError, match=r"grads\[1\] is a lazily negated view"):
+        kernels.accumulate_([torch.zeros(1), torch.zeros(1)], [torch.ones(1), neg], add=False)
+    acc = torch.zeros(1)
+    kernels.accumulate_([acc], [neg.resolve_neg()], add=False)
+    assert acc.item() == -2.0
 
 
 def test_shapes_must_match_params_not_only_element_counts():
