@@ -122,6 +122,9 @@ def collect_records(optimizer: torch.optim.Optimizer) -> tuple[list[ParamRecord]
             if not p.is_floating_point():
                 raise TypeError(f"parameter {name} has dtype {p.dtype}; full offload needs floating-point parameters")
             loc = local_of(p)
+            if loc.is_meta:
+                raise ValueError(f"parameter {name} is on the meta device and has no values: materialize the model "
+                                 "first (model.to_empty(device=...) and initialize or load its weights), then wrap")
             if not loc.is_contiguous():
                 raise ValueError(f"parameter {name} is not contiguous; full offload copies whole parameters as flat ranges")
             records.append(
@@ -133,7 +136,28 @@ def collect_records(optimizer: torch.optim.Optimizer) -> tuple[list[ParamRecord]
     devices = {r.local().device for r in records}
     if len(devices) != 1:
         raise ValueError(f"full offload needs all trainable parameters on one device, got {sorted(map(str, devices))}")
+    _check_no_shared_memory(records)
     return records, frozen
+
+
+def _check_no_shared_memory(records: list[ParamRecord]) -> None:
+    """Raise if two parameters overlap in memory (``b.data = a.data``).
+
+    NOTE: torch steps both through the one memory; here each gets its own master and its
+    compute copy its own storage at the cast, which would untie them. Views of one buffer
+    that do not overlap are fine."""
+    spans = []
+    for rec in records:
+        loc = rec.local()
+        if loc.numel():
+            start = loc.data_ptr()
+            spans.append((start, start + loc.numel() * loc.element_size(), rec.name))
+    spans.sort()
+    for (_, end, first), (start, _, second) in zip(spans, spans[1:]):
+        if start < end:
+            raise ValueError(f"parameters {first} and {second} share memory: full offload gives each parameter "
+                             "its own fp32 master and compute copy, which would untie them; tie them as one "
+                             "Parameter (module.b.weight = module.a.weight), or give each its own storage")
 
 
 def check_fsdp_not_started(records: list[ParamRecord]) -> None:
@@ -341,6 +365,11 @@ def _external_change(rec: ParamRecord) -> Optional[torch.Tensor]:
             f"the compute copy of {rec.name} is now {version[-1]}, but full offload keeps it in "
             f"{rec.version[-1]}: the model was cast after offload_optimizer wrapped it (model.float(), "
             f".half(), .to(dtype)); cast it back (model.to({rec.version[-1]})), or cast before wrapping")
+    if tuple(rec.local().shape) != tuple(rec.shape):
+        raise ValueError(
+            f"the compute copy of {rec.name} now has shape {tuple(rec.local().shape)}, but full offload keeps it at "
+            f"shape {tuple(rec.shape)} (its master and moments): the parameter was replaced through `.data =` by a "
+            "tensor of another shape; give it back its shape, or build the optimizer for the new one")
     current = rec.local().detach().reshape(-1).to(rec.master.device)
     if torch.equal(current, rec.master.to(current.dtype)):
         rec.version = version

@@ -64,7 +64,7 @@ from cpu_offload._full.device_state import (
     AutoSplit, DeviceState, auto_margin, choose_device_records, device_bytes_per_element, records_to_free_host,
 )
 from cpu_offload._full.controls import WindowControls
-from cpu_offload._full import torch_clipping
+from cpu_offload._full import torch_clipping, torch_zero_grad
 from cpu_offload._common.wrapping import (
     adopt_optimizer, load_state_dict_with_hooks, refuse_copy, release_optimizer, state_dict_with_hooks,
 )
@@ -74,6 +74,7 @@ __all__ = ["FullCPUOffloadOptimizer"]
 # NOTE: at import, so that a script importing clip_grad_norm_ from torch after cpu_offload
 # gets the function that clips full offload's gradients through the optimizer.
 torch_clipping.install()
+torch_zero_grad.install()
 
 
 def _user_stacklevel() -> int:
@@ -422,9 +423,8 @@ class FullCPUOffloadOptimizer(WindowControls, torch.optim.Optimizer):
                 f"a backward pass started after the last one of the window (grad_accum_steps="
                 f"{self.grad_accum_steps}) had already applied its update, before step(): call step() "
                 "(or zero_grad()) after every window; full offload updates the weights during backward. "
-                "(A loop stopped in the middle of a window and started again must call the optimizer's "
-                "zero_grad() first: model.zero_grad() cannot drop the window, param.grad is None under full "
-                "offload)"
+                "(A loop stopped in the middle of a window and started again must call zero_grad() first, "
+                "the optimizer's or the whole model's)"
             )
         if self._proto.phase is not Phase.BACKWARD:
             self._begin_backward()
@@ -848,6 +848,10 @@ class FullCPUOffloadOptimizer(WindowControls, torch.optim.Optimizer):
         with deferred_interrupts():
             self._drop_window(set_to_none)
 
+    def _window_phase(self) -> Optional[str]:
+        """Where an open window stands (``Phase``'s words), or None between windows."""
+        return None if self._proto.phase in (Phase.IDLE, Phase.CLOSED) else self._proto.phase.value
+
     def _drop_window(self, set_to_none: bool) -> None:
         late_edits = []
         if self._proto.phase is Phase.ACCUMULATING:
@@ -998,8 +1002,8 @@ class FullCPUOffloadOptimizer(WindowControls, torch.optim.Optimizer):
         phase = self._proto.phase
         if phase is Phase.BACKWARD or (phase is Phase.ACCUMULATING and not in_window):
             raise RuntimeError(f"{what} called {phase.value} ({self._proto.micro} of {self.grad_accum_steps} backward "
-                               "passes); call it after step(), or call the optimizer's zero_grad() first to drop the "
-                               "window (model.zero_grad() cannot: under full offload param.grad is None)")
+                               "passes); call it after step(), or call zero_grad() first to drop the window (the "
+                               "optimizer's or the whole model's)")
         self._pipeline.drain()
 
     # ------------------------------------------------------------- lifecycle

@@ -13,8 +13,10 @@ import torch
 transformers = pytest.importorskip("transformers")
 
 import cpu_offload  # noqa: E402
+from cpu_offload._full.protocol import Phase  # noqa: E402
 from helpers import (  # noqa: E402
-    FullOffloadMaker, BF16_LOSS_ATOL, Bf16MasterAdamW, adamw, assert_trains, loss_report, tiny_llama, token_rows,
+    FullOffloadMaker, BF16_LOSS_ATOL, Bf16MasterAdamW, adamw, assert_trains, loss_report, phase_of, tiny_llama,
+    token_rows,
 )
 
 
@@ -129,3 +131,48 @@ def test_trainer_clipping_left_on_clips_full_offload_like_the_option(tmp_path):
     recipe, left_on = ([(e["loss"], e.get("grad_norm")) for e in log if "loss" in e] for log in runs)
     assert [loss for loss, _ in left_on] == [loss for loss, _ in recipe]
     assert all(norm > clip for _, norm in left_on), left_on
+
+
+class StopAt(transformers.TrainerCallback):
+    """Stops training once, after optimizer step ``at``: at that step's end, or (``mid_window``) after
+    the next window's first micro-batch."""
+
+    def __init__(self, at, mid_window):
+        self.at, self.mid_window, self.done = at, mid_window, False
+
+    def _stop(self, state, control, mid_window):
+        if mid_window == self.mid_window and state.global_step == self.at and not self.done:
+            self.done = control.should_training_stop = True
+
+    def on_substep_end(self, args, state, control, **kwargs):
+        self._stop(state, control, True)
+
+    def on_step_end(self, args, state, control, **kwargs):
+        self._stop(state, control, False)
+
+
+def test_trainer_stopped_in_the_middle_of_a_window_then_trained_again_drops_that_window(tmp_path):
+    # train() starts with model.zero_grad(): torch drops the stopped window's gradients, and so
+    # must full offload, whose gradients are on the host.
+    def run(mid_window):
+        model = tiny_llama()
+        opt = FullOffloadMaker(grad_accum_steps=2)(model)
+        args = transformers.TrainingArguments(
+            output_dir=str(tmp_path), per_device_train_batch_size=2, gradient_accumulation_steps=2, max_steps=4,
+            report_to="none", use_cpu=True, save_strategy="no", disable_tqdm=True, seed=7,
+            dataloader_num_workers=0, max_grad_norm=0.0, lr_scheduler_type="constant")
+        trainer = transformers.Trainer(model=model, args=args, train_dataset=rows(40), optimizers=(opt, None),
+                                       callbacks=[StopAt(2, mid_window)])
+        trainer.train()
+        assert trainer.state.global_step == 2
+        assert phase_of(opt) is (Phase.ACCUMULATING if mid_window else Phase.IDLE)
+        trainer.train()  # from the start, on the same model and optimizer
+        weights = [p.detach().clone() for p in model.parameters()]
+        opt.close()
+        return weights
+
+    start = [p.detach() for p in tiny_llama().parameters()]
+    at_step_end, mid_window = run(mid_window=False), run(mid_window=True)
+    assert all(not torch.equal(a.float(), s) for a, s in zip(at_step_end, start))  # it trained
+    for a, b in zip(at_step_end, mid_window):
+        assert torch.equal(a, b)

@@ -169,7 +169,7 @@ def test_accumulation_protocol_errors():
     off = FullCPUOffloadOptimizer(opt, grad_accum_steps=2, **SMALL)
     x = torch.randn(2, 24, dtype=torch.bfloat16)
     model(x).sum().backward()
-    with pytest.raises(RuntimeError, match=r"middle of an accumulation window .* call the optimizer's zero_grad"):
+    with pytest.raises(RuntimeError, match=r"middle of an accumulation window .* call zero_grad\(\) first to drop the window"):
         off.load_state_dict(off.state_dict())  # saving is torch's: the state of the last step
     model(x).sum().backward()
     with pytest.raises(RuntimeError, match=r"before step\(\): call step\(\)"):
@@ -704,3 +704,42 @@ def test_a_step_with_no_gradient_since_the_last_one_says_so_once():
         off.step()
     assert [r.step for r in records_of(off)] == steps
     off.close()
+
+
+@pytest.mark.parametrize("numel", [2, 1])
+def test_a_parameter_given_another_shape_through_data_is_refused_before_anything_changes(numel):
+    # One element would broadcast into the master before the gradient's shape was refused.
+    p, q = nn.Parameter(torch.randn(4)), nn.Parameter(torch.randn(4))
+    off = FullCPUOffloadOptimizer(torch.optim.AdamW([p, q], lr=1e-2), **SMALL)
+    ((p.float() ** 2).sum() + (q.float() ** 2).sum()).backward()
+    off.step()
+    off.zero_grad()
+    masters = [r.master.clone() for r in records_of(off)]
+    with torch.no_grad():
+        p.data = torch.full((numel,), 5.0, dtype=torch.bfloat16)
+    with pytest.raises(ValueError, match=rf"param_groups\[0\]\[0\] now has shape \({numel},\).* keeps it at shape "
+                                         r"\(4,\)"):
+        ((p.float() ** 2).sum() + (q.float() ** 2).sum()).backward()
+    assert all(torch.equal(r.master, m) for r, m in zip(records_of(off), masters))
+    with pytest.warns(RuntimeWarning, match="backward pass 1 of 1 raised; 0 of 2 parameters had their update"):
+        off.close()
+
+
+def test_parameters_on_the_meta_device_are_refused_naming_them():
+    with torch.device("meta"):
+        model = nn.Linear(4, 3)
+    with pytest.raises(ValueError, match=r"parameter param_groups\[0\]\[0\] is on the meta device"):
+        FullCPUOffloadOptimizer(torch.optim.AdamW(model.parameters()))
+
+
+def test_parameters_sharing_memory_are_refused_naming_both():
+    # torch steps both through one memory; full offload would give each its own master and
+    # compute copy, untying them.
+    a, b = nn.Parameter(torch.randn(4)), nn.Parameter(torch.empty(4))
+    b.data = a.data
+    with pytest.raises(ValueError, match=r"parameters param_groups\[0\]\[0\] and param_groups\[0\]\[1\] share memory"):
+        FullCPUOffloadOptimizer(torch.optim.AdamW([a, b]))
+    assert a.dtype == torch.float32  # nothing was cast
+    flat = torch.randn(8)
+    c, d = nn.Parameter(flat[:4]), nn.Parameter(flat[4:])  # views of one buffer that do not overlap: fine
+    FullCPUOffloadOptimizer(torch.optim.AdamW([c, d])).close()

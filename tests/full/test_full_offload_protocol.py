@@ -883,3 +883,43 @@ def test_gradients_that_bypassed_the_hooks_are_reported():
     h.opt.zero_grad()
     h.train_normally(1)
     h.check()
+
+
+def test_model_zero_grad_in_the_middle_of_a_window_discards_it_as_torch_does():
+    # HF Trainer clears gradients with model.zero_grad() when train() starts: after a run stopped
+    # in the middle of a window (Ctrl-C in a notebook), the next run must not step the stale
+    # micro-batches, as torch does not.
+    h = Harness(k=3)
+    h.train_normally(1, k=3)
+    h.backward()
+    h.backward()  # 2 of 3: the loop stops here
+    h.model.zero_grad()
+    assert phase_of(h.opt) is Phase.IDLE
+    h.train_normally(2, k=3)  # whole windows, stepped exactly
+    h.check()
+    h.window = {}
+    h.model.l1.zero_grad()  # part of the parameters between windows: nothing is held, nothing to do
+    h.backward()
+    with pytest.raises(ValueError, match=r"model\.zero_grad\(\) over 2 of the 6 parameters of a full-offload "
+                                         r"optimizer in the middle of an accumulation window"):
+        h.model.l2.zero_grad()  # a window cannot drop part of itself
+    h.model.zero_grad(set_to_none=False)  # all of them, as the optimizer's zero_grad(set_to_none=False)
+    h.window = {}
+    for _ in range(3):
+        h.backward()
+    h.opt.step()
+    h.ref_step(h.window)
+    h.check()
+
+
+def test_model_zero_grad_after_the_windows_last_backward_is_the_optimizers():
+    h = Harness()
+    h.train_normally(1)
+    h.window = {}
+    h.backward()
+    with pytest.warns(RuntimeWarning, match="applied that update during backward"):
+        h.model.zero_grad()  # as opt.zero_grad(): the update was applied already
+    h.ref_step(h.window)
+    h.opt.step()  # nothing since: a no-op
+    h.train_normally(1)
+    h.check()
