@@ -12,6 +12,8 @@
 
 from __future__ import annotations
 
+import copy
+
 import warnings
 
 import torch
@@ -168,7 +170,9 @@ def _speculation(saved_groups) -> tuple:
 
 def _load_groups(opt, saved_groups) -> None:
     for saved, group in zip(saved_groups, opt.param_groups):
-        group.update(_group_options(saved))  # in place: LR schedulers hold these dicts
+        # NOTE: in place, as LR schedulers hold these dicts; the values deep-copied, as torch's
+        # load_state_dict copies them: a tensor lr that a scheduler fills in place stays ours.
+        group.update(copy.deepcopy(_group_options(saved)))
 
 
 def load_state_dict(opt, sd: dict) -> None:

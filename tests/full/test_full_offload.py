@@ -743,3 +743,21 @@ def test_parameters_sharing_memory_are_refused_naming_both():
     flat = torch.randn(8)
     c, d = nn.Parameter(flat[:4]), nn.Parameter(flat[4:])  # views of one buffer that do not overlap: fine
     FullCPUOffloadOptimizer(torch.optim.AdamW([c, d])).close()
+
+
+def test_a_loaded_state_dict_stays_the_callers_as_torch_copies_the_saved_groups():
+    # A 0-d tensor lr, which LR schedulers change in place: the live group must not share it
+    # with the state_dict loaded (a snapshot kept to roll back to, or a second optimizer).
+    model = nn.Linear(8, 4)
+    off = FullCPUOffloadOptimizer(torch.optim.AdamW(model.parameters(), lr=torch.tensor(0.01)), **SMALL)
+    sched = torch.optim.lr_scheduler.StepLR(off, step_size=1, gamma=0.1)
+    snapshot = copy.deepcopy(off.state_dict())
+    for _ in range(2):
+        off.load_state_dict(snapshot)
+        assert float(off.param_groups[0]["lr"]) == float(torch.tensor(0.01))
+        model(torch.randn(16, 8, dtype=torch.bfloat16)).float().pow(2).mean().backward()
+        off.step()
+        off.zero_grad()
+        sched.step()
+        assert float(snapshot["param_groups"][0]["lr"]) == float(torch.tensor(0.01))
+    off.close()
