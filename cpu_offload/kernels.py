@@ -393,26 +393,31 @@ def _moment_code(entry) -> int:
     return _DTYPE_CODE.get(moment_dtype, 0)
 
 
-def sign_sgd_step(params, grads, *, lr, weight_decay, compute_params=None) -> None:
-    """One SignSGD step: p <- p - lr*wd*p (wd > 0), then p <- p - lr*sign(g), sign(0) = 0.
+def sign_sgd_step(params, grads, *, lr, weight_decay, grad_scale=1.0, compute_params=None) -> None:
+    """One SignSGD step: p <- p - lr*wd*p (wd > 0), then p <- p - lr*sign(g*grad_scale), sign(0) = 0.
 
     Args:
         params: fp32 weights, updated in place.
-        grads: fp32 or bf16 gradients (any scale: the sign ignores it).
+        grads: fp32 or bf16 gradients.
         lr, weight_decay: step size and decoupled weight decay.
+        grad_scale: the gradients' factor (a clipping coefficient), >= 0; the product is
+            rounded to float32 before its sign is taken, so 0 (or a product that rounds to 0)
+            steps nothing but the decay, as torch's SignSGD on the scaled gradient.
         compute_params: optional bf16 or fp32 tensors that receive the updated weights.
 
     Shapes and empty lists: as for ``adamw_step``.
     """
     lr = _check_scalar("lr", lr, low=0.0)
     weight_decay = _check_scalar("weight_decay", weight_decay, low=0.0)
+    grad_scale = _check_scalar("grad_scale", grad_scale, low=0.0)
     with _TRUE_MEMORY():
         entry, _alive = _prepared("sign_sgd", [("params", params), ("grads", grads), ("compute_params", compute_params)],
                                   {"params": _FP32, "grads": _GRADS, "compute_params": _GRADS})
     if entry.batch.size == 0:
         return  # empty lists: a no-op, as for adamw_step
     _C.sign_sgd(batch=entry.batch, grad_dtype=_DTYPE_CODE.get(entry.codes["grads"], 0),
-                out_kind=_OUT_KIND[entry.codes.get("compute_params")], lr=lr, weight_decay=weight_decay)
+                out_kind=_OUT_KIND[entry.codes.get("compute_params")], lr=lr, weight_decay=weight_decay,
+                grad_scale=grad_scale)
 
 
 def adamw_inverse_step(params, grads, exp_avgs, exp_avg_sqs, steps, *, lr, beta1, beta2, eps, weight_decay,
@@ -443,24 +448,25 @@ def adamw_inverse_step(params, grads, exp_avgs, exp_avg_sqs, steps, *, lr, beta1
                      moment_dtype=_moment_code(entry), steps=steps_ptr, **hyper)
 
 
-def sign_sgd_inverse_step(params, grads, *, lr, weight_decay) -> None:
-    """Undoes one ``sign_sgd_step`` in place: p <- (p + lr*sign(g))/(1 - lr*wd), the
-    division skipped when 1 - lr*wd == 0.
+def sign_sgd_inverse_step(params, grads, *, lr, weight_decay, grad_scale=1.0) -> None:
+    """Undoes one ``sign_sgd_step`` in place: p <- (p + lr*sign(g*grad_scale))/(1 - lr*wd),
+    the division skipped when 1 - lr*wd == 0.
 
     Args:
         params: fp32 weights after the step, updated in place.
-        grads: the fp32 or bf16 gradients the step used.
-        lr, weight_decay: those of the step to undo.
+        grads: the fp32 or bf16 gradients the step used (before ``grad_scale``).
+        lr, weight_decay, grad_scale: those of the step to undo.
     """
     lr = _check_scalar("lr", lr, low=0.0)
     weight_decay = _check_scalar("weight_decay", weight_decay, low=0.0)
+    grad_scale = _check_scalar("grad_scale", grad_scale, low=0.0)
     with _TRUE_MEMORY():
         entry, _alive = _prepared("sign_sgd_inverse", [("params", params), ("grads", grads)],
                                   {"params": _FP32, "grads": _GRADS})
     if entry.batch.size == 0:
         return
     _C.sign_sgd_inverse(batch=entry.batch, grad_dtype=_DTYPE_CODE.get(entry.codes["grads"], 0), lr=lr,
-                        weight_decay=weight_decay)
+                        weight_decay=weight_decay, grad_scale=grad_scale)
 
 
 def accumulate_(accumulators, grads, add: bool) -> None:

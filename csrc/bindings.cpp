@@ -61,9 +61,9 @@ PYBIND11_MODULE(_C, m) {
       py::arg("lr"), py::arg("beta1"), py::arg("beta2"), py::arg("eps"), py::arg("weight_decay"),
       py::arg("grad_scale"), release());
   m.def("sign_sgd", &ops::sign_sgd, py::kw_only(), py::arg("batch"), py::arg("grad_dtype"), py::arg("out_kind"),
-        py::arg("lr"), py::arg("weight_decay"), release());
+        py::arg("lr"), py::arg("weight_decay"), py::arg("grad_scale"), release());
   m.def("sign_sgd_inverse", &ops::sign_sgd_inverse, py::kw_only(), py::arg("batch"), py::arg("grad_dtype"),
-        py::arg("lr"), py::arg("weight_decay"), release());
+        py::arg("lr"), py::arg("weight_decay"), py::arg("grad_scale"), release());
   m.def("accumulate", &ops::accumulate, py::kw_only(), py::arg("batch"), py::arg("grad_dtype"), py::arg("add"),
         release());
   m.def("scale_stream", &ops::scale_stream, py::kw_only(), py::arg("ptr"), py::arg("numel"), py::arg("factor"),

@@ -30,6 +30,7 @@ struct AdamWScalars {
 struct SignSGDScalars {
   float decay;            // 1 - lr*wd (exactly 1 when wd == 0)
   float lr;
+  float grad_scale;       // the gradient's factor: the step takes sign(g*grad_scale)
 };
 
 // One ISA's kernels. Each entry updates one contiguous range of one tensor;

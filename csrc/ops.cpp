@@ -109,12 +109,13 @@ void adamw_inverse(const TensorBatch& b, int grad_dtype, int moment_dtype, uintp
   });
 }
 
-void sign_sgd(const TensorBatch& b, int grad_dtype, int out_kind, double lr, double weight_decay) {
+void sign_sgd(const TensorBatch& b, int grad_dtype, int out_kind, double lr, double weight_decay,
+              double grad_scale) {
   require_roles(b, 2, 3, "sign_sgd");
   const DType gd = dtype_of(grad_dtype, "grad_dtype");
   const OutKind ok = out_kind_of(b, 2, out_kind);
   require_widths(b, {4, width(gd), width(ok)}, "sign_sgd");
-  const SignSGDScalars s = sign_sgd_scalars(lr, weight_decay);
+  const SignSGDScalars s = sign_sgd_scalars(lr, weight_decay, grad_scale);
   const KernelTable& k = active_kernels();
   const int gsz = width(gd), osz = width(ok);
   b.parallel_ranges([&](int64_t t, int64_t lo, int64_t hi) {
@@ -123,11 +124,11 @@ void sign_sgd(const TensorBatch& b, int grad_dtype, int out_kind, double lr, dou
   });
 }
 
-void sign_sgd_inverse(const TensorBatch& b, int grad_dtype, double lr, double weight_decay) {
+void sign_sgd_inverse(const TensorBatch& b, int grad_dtype, double lr, double weight_decay, double grad_scale) {
   require_roles(b, 2, 2, "sign_sgd_inverse");
   const DType gd = dtype_of(grad_dtype, "grad_dtype");
   require_widths(b, {4, width(gd)}, "sign_sgd_inverse");
-  const SignSGDScalars s = sign_sgd_scalars(lr, weight_decay);
+  const SignSGDScalars s = sign_sgd_scalars(lr, weight_decay, grad_scale);
   const KernelTable& k = active_kernels();
   const int gsz = width(gd);
   b.parallel_ranges([&](int64_t t, int64_t lo, int64_t hi) {

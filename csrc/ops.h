@@ -19,9 +19,9 @@ void adamw(const TensorBatch& b, int grad_dtype, int moment_dtype, int out_kind,
 // read only: the count each undone step used (>= 1). The caller decrements its own counts.
 void adamw_inverse(const TensorBatch& b, int grad_dtype, int moment_dtype, uintptr_t steps, const AdamWHyper& h);
 // Roles: params, grads[, compute_params].
-void sign_sgd(const TensorBatch& b, int grad_dtype, int out_kind, double lr, double weight_decay);
+void sign_sgd(const TensorBatch& b, int grad_dtype, int out_kind, double lr, double weight_decay, double grad_scale);
 // Undoes one sign_sgd step. Roles: params, grads.
-void sign_sgd_inverse(const TensorBatch& b, int grad_dtype, double lr, double weight_decay);
+void sign_sgd_inverse(const TensorBatch& b, int grad_dtype, double lr, double weight_decay, double grad_scale);
 // Roles: accumulators, grads.
 void accumulate(const TensorBatch& b, int grad_dtype, bool add);
 // Bandwidth probe over n floats at ptr: x <- x * factor.

@@ -47,9 +47,9 @@ AdamWScalars adamw_scalars(const AdamWHyper& h, int64_t step) {
   return s;
 }
 
-SignSGDScalars sign_sgd_scalars(double lr, double weight_decay) {
+SignSGDScalars sign_sgd_scalars(double lr, double weight_decay, double grad_scale) {
   return {narrow(1.0 - lr * weight_decay, "lr * weight_decay: the decay factor 1 - lr * weight_decay"),
-          narrow(lr, "lr")};
+          narrow(lr, "lr"), narrow(grad_scale, "grad_scale")};
 }
 
 }  // namespace cpu_offload

@@ -16,6 +16,6 @@ struct AdamWHyper {
 // corrections 1 - beta^step in double, folded into eps_hat and neg_step_size.
 AdamWScalars adamw_scalars(const AdamWHyper& h, int64_t step);
 
-SignSGDScalars sign_sgd_scalars(double lr, double weight_decay);
+SignSGDScalars sign_sgd_scalars(double lr, double weight_decay, double grad_scale);
 
 }  // namespace cpu_offload

@@ -188,7 +188,7 @@ class ChunkRunner:
                                        compute_params=call.outs)
                 else:
                     kernels.sign_sgd_step(call.params, call.grads, lr=hp["lr"], weight_decay=hp["weight_decay"],
-                                          compute_params=call.outs)
+                                          grad_scale=hp["grad_scale"], compute_params=call.outs)
             if chunk.final:
                 self.stepped.extend(SteppedPiece(p.rec, p.start, p.numel, p.rec.step + 1, chunk.hparams[p.rec.group])
                                     for p in chunk.pieces)

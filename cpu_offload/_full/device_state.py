@@ -214,10 +214,10 @@ def _fused_step_usable(device: torch.device) -> bool:
     return reason is None
 
 
-def sign_sgd_piece_(p, grad, *, lr, weight_decay, out=None) -> None:
-    """sign_sgd_reference_ in place: p <- p*(1 - lr*wd); p <- p - lr*sign(g)."""
+def sign_sgd_piece_(p, grad, *, lr, weight_decay, grad_scale, out=None) -> None:
+    """sign_sgd_reference_ in place on the scaled gradient: p <- p*(1 - lr*wd); p <- p - lr*sign(g*grad_scale)."""
     p.mul_(_f32(1.0 - lr * weight_decay, p))
-    p.sub_(torch.sign(grad.float()).mul_(_f32(lr, p)))
+    p.sub_(torch.sign(grad.float() * _f32(grad_scale, p)).mul_(_f32(lr, p)))
     if out is not None:
         out.copy_(p)
 
@@ -359,7 +359,7 @@ class DeviceState:
                              weight_decay=hp["weight_decay"], grad_scale=grad_scale, out=local[piece])
             else:
                 sign_sgd_piece_(rec.master[piece], grad[piece], lr=hp["lr"], weight_decay=hp["weight_decay"],
-                                out=local[piece])
+                                grad_scale=grad_scale, out=local[piece])
 
     def reset_window(self) -> None:
         self._events.clear()

@@ -72,9 +72,10 @@ def rollback_adamw_pieces_(params, grads, exp_avgs, exp_avg_sqs, steps: Sequence
                                eps=eps, weight_decay=weight_decay, grad_scale=grad_scale)
 
 
-def rollback_sign_sgd_pieces_(params, grads, *, lr, weight_decay) -> None:
+def rollback_sign_sgd_pieces_(params, grads, *, lr, weight_decay, grad_scale=1.0) -> None:
     """Undo one SignSGD step in place on each tensor of the lists, in one native call."""
-    kernels.sign_sgd_inverse_step(list(params), [_kernel_grad(g) for g in grads], lr=lr, weight_decay=weight_decay)
+    kernels.sign_sgd_inverse_step(list(params), [_kernel_grad(g) for g in grads], lr=lr, weight_decay=weight_decay,
+                                  grad_scale=grad_scale)
 
 
 def rollback_adamw_(param, grad, exp_avg, exp_avg_sq, step: int, *, lr, beta1, beta2, eps, weight_decay,
@@ -84,6 +85,6 @@ def rollback_adamw_(param, grad, exp_avg, exp_avg_sq, step: int, *, lr, beta1, b
                            eps=eps, weight_decay=weight_decay, grad_scale=grad_scale)
 
 
-def rollback_sign_sgd_(param, grad, *, lr, weight_decay) -> None:
+def rollback_sign_sgd_(param, grad, *, lr, weight_decay, grad_scale=1.0) -> None:
     """Undo one SignSGD step in place."""
-    rollback_sign_sgd_pieces_([param], [grad], lr=lr, weight_decay=weight_decay)
+    rollback_sign_sgd_pieces_([param], [grad], lr=lr, weight_decay=weight_decay, grad_scale=grad_scale)

@@ -52,7 +52,19 @@ _WARN_EVERY_S = 60.0
 # the group's options, which a user may set after the window's last backward began.
 _ADAMW_OPTIONS = ("lr", "beta1", "beta2", "eps", "weight_decay")
 _ADAMW_HPARAMS = _ADAMW_OPTIONS + ("grad_scale",)
-_SIGN_SGD_HPARAMS = ("lr", "weight_decay")
+_SIGN_SGD_OPTIONS = ("lr", "weight_decay")
+_SIGN_SGD_HPARAMS = _SIGN_SGD_OPTIONS + ("grad_scale",)
+
+
+def _same_sign_sgd_step(applied: dict, target: dict) -> bool:
+    """Whether SignSGD's step with ``applied`` equals the one with ``target``.
+
+    NOTE: sign(g*c) depends on c > 0 only where g*c rounds to 0 in float32: |g| >= 2^-149,
+    so never when c > 0.5; two factors above 0.5 give the same step."""
+    if any(applied[name] != target[name] for name in _SIGN_SGD_OPTIONS):
+        return False
+    a, b = applied["grad_scale"], target["grad_scale"]
+    return a == b or min(a, b) > 0.5
 
 
 class StepValidator:
@@ -201,15 +213,15 @@ class StepValidator:
         """Make the applied update match the window's factor and ``current`` (the groups'
         hyper-parameters as step() reads them; None: those of the last backward): a
         rollback and a redo when they changed, or when chunks were held back from the
-        speculative step.
-        NOTE: SignSGD's update sign(c*g) = sign(g) for c > 0: redone only for its lr or
-        weight decay."""
+        speculative step (SignSGD: when its step changes, ``_same_sign_sgd_step``)."""
         if self.skipped or not self.pipeline.hparams:
             return
         names = _ADAMW_HPARAMS if self.algorithm == "adamw" else _SIGN_SGD_HPARAMS
         target = [dict(hp, grad_scale=self.scale) for hp in (current or self.pipeline.hparams)]
 
         def differs(hp: dict, group: int) -> bool:
+            if self.algorithm != "adamw":
+                return not _same_sign_sgd_step(hp, target[group])
             return any(hp[name] != target[group][name] for name in names)
 
         change = self._late_change(current) if current is not None else None
@@ -233,7 +245,7 @@ class StepValidator:
     def _late_change(self, current: list) -> Optional[tuple]:
         """The first group option that differs in ``current`` from the window's last backward,
         as ``(group, key, old, new)``, or None; noted for the next window (``defers``)."""
-        keys = _ADAMW_OPTIONS if self.algorithm == "adamw" else _SIGN_SGD_HPARAMS
+        keys = _ADAMW_OPTIONS if self.algorithm == "adamw" else _SIGN_SGD_OPTIONS
         change = next(((g, key, hp[key], current[g][key]) for g, hp in enumerate(self.pipeline.hparams)
                        for key in keys if hp[key] != current[g][key]), None)
         self.late_hparams = change is not None

@@ -121,8 +121,11 @@ void adamw_range(const AdamWScalars& scalars, float* param, const void* grad, vo
 template <class V, DType G, OutKind O>
 inline void sign_sgd_at(const SignSGDScalars& s, float* param, const void* grad, void* out, int64_t i) {
   using F = typename V::F;
-  F p = V::mul(V::load(param + i), V::set1(s.decay));                       // p * (1 - lr*wd)
-  p = V::sub(p, V::mul(V::set1(s.lr), V::sign(load_f32<V, G>(grad, i))));  // p - lr * sign(g)
+  // NOTE: sign(g*c) is sign(g) unless g*c rounds to 0 (c == 0, or a tiny g and c <= 0.5):
+  // the product is taken as torch's clipped gradient takes it.
+  const F g = V::mul(load_f32<V, G>(grad, i), V::set1(s.grad_scale));
+  F p = V::mul(V::load(param + i), V::set1(s.decay));  // p * (1 - lr*wd)
+  p = V::sub(p, V::mul(V::set1(s.lr), V::sign(g)));    // p - lr * sign(g*c)
   V::store(param + i, p);
   store_out<V, O>(out, i, p);
 }
@@ -185,11 +188,12 @@ void adamw_inverse_range(const AdamWScalars& scalars, float* param, const void* 
   for (; i < n; ++i) adamw_inverse_at<VecScalar, G, M>(s, param, grad, exp_avg, exp_avg_sq, i);
 }
 
-// SignSGD: p0 = (p1 + lr*sign(g))/decay, the division skipped when decay == 0.
+// SignSGD: p0 = (p1 + lr*sign(g*c))/decay, the division skipped when decay == 0.
 template <class V, DType G>
 inline void sign_sgd_inverse_at(const SignSGDScalars& s, float* param, const void* grad, int64_t i) {
   using F = typename V::F;
-  F p = V::add(V::load(param + i), V::mul(V::set1(s.lr), V::sign(load_f32<V, G>(grad, i))));  // p1 + lr*sign(g)
+  const F g = V::mul(load_f32<V, G>(grad, i), V::set1(s.grad_scale));
+  F p = V::add(V::load(param + i), V::mul(V::set1(s.lr), V::sign(g)));  // p1 + lr*sign(g*c)
   if (s.decay != 0.f && s.decay != 1.f) p = V::div(p, V::set1(s.decay));                   // / (1 - lr*wd)
   V::store(param + i, p);
 }

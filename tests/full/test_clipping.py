@@ -397,3 +397,17 @@ def test_zero_filled_parameters_are_clipped_and_rolled_back(grad_copy):
         off.zero_grad(set_to_none=False)
     extra = off.state[model.extra]
     assert int(extra["step"]) == 3 and torch.isfinite(extra["master"]).all()
+
+
+@pytest.mark.parametrize("gpu_state", [None, 2000 * 4])
+@pytest.mark.parametrize("k", [1, 2])
+def test_sign_sgd_clipped_to_zero_only_decays_like_torch(k, gpu_state):
+    # torch steps sign(0 * g) = 0: the weights only decay. The first step speculates with factor
+    # 1 and is redone (within the redo's error, about an ulp); the later ones speculate with 0.
+    model, off, init, history, _ = train("sign_sgd", k, 4, clip=0.0, gpu_state=gpu_state)
+    params, _, _ = torch_replay("sign_sgd", init, history, 0.0)
+    by_id = {id(p): n for n, p in model.named_parameters()}
+    assert off.stats()["gpu_state_bytes"] > 0 or gpu_state is None
+    for p, ours in off.state.items():
+        assert normwise(ours["master"].view(p.shape), params[by_id[id(p)]].detach()) < 1e-6, by_id[id(p)]
+

@@ -193,7 +193,8 @@ std::vector<Check> checks() {
   c.push_back({"sign_sgd", 2 * 3 * 3, [](int64_t n, Rng& r, int config) {
     // {1, 0} is the identity step: out = p, so a bf16 out checks the rounding of raw fp32
     // patterns (ties, NaN payloads, denormals) directly.
-    const SignSGDScalars sets[] = {{static_cast<float>(1.0 - 1e-3 * 0.01), 1e-3f}, {1.0f, 0.5f}, {1.0f, 0.0f}};
+    const SignSGDScalars sets[] = {{static_cast<float>(1.0 - 1e-3 * 0.01), 1e-3f, 1.0f}, {1.0f, 0.5f, 0.25f},
+                                   {1.0f, 0.0f, 1.0f}};
     const DType g = config / 9 ? DType::bf16 : DType::f32;
     const OutKind o = static_cast<OutKind>(config / 3 % 3);
     const int which = config % 3;
@@ -226,7 +227,8 @@ std::vector<Check> checks() {
   }, {1, 10}});
   // config = 3*g + constants
   c.push_back({"sign_sgd_inverse", 2 * 3, [](int64_t n, Rng& r, int config) {
-    const SignSGDScalars sets[] = {{static_cast<float>(1.0 - 1e-3 * 0.01), 1e-3f}, {1.0f, 0.5f}, {0.0f, 1.0f}};
+    const SignSGDScalars sets[] = {{static_cast<float>(1.0 - 1e-3 * 0.01), 1e-3f, 1.0f}, {1.0f, 0.5f, 1e-30f},
+                                   {0.0f, 1.0f, 0.0f}};
     const DType g = config / 3 ? DType::bf16 : DType::f32;
     const int which = config % 3;
     const SignSGDScalars s = sets[which];

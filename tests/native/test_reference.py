@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from cpu_offload import kernels
-from cpu_offload.reference import adamw_reference_, sign_sgd_reference_
+from cpu_offload.reference import adamw_reference_, sign_sgd_inverse_reference_, sign_sgd_reference_
 from helpers import gen, isa_params
 
 HYPERS = [
@@ -80,3 +80,29 @@ def test_native_kernels_equal_reference_bitwise(isa, grad_dtype, moment_dtype):
             kernels.sign_sgd_step([sp], [grad], lr=1e-2, weight_decay=0.05)
         sign_sgd_reference_(rsp, grad, lr=1e-2, weight_decay=0.05)
     assert torch.equal(sp, rsp)
+
+
+@pytest.mark.parametrize("isa", isa_params())
+@pytest.mark.parametrize("grad_dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("grad_scale", [0.0, 1e-30, 0.3, 0.5, 4.0])
+def test_sign_sgd_takes_the_sign_of_the_scaled_gradient_as_torch_clips_it(isa, grad_dtype, grad_scale):
+    # sign(g*c) differs from sign(g) where g*c rounds to 0: c = 0, or tiny gradients (subnormal
+    # fp32 ones with c <= 0.5, or any with c = 1e-30).
+    g = gen(9)
+    n = 4099
+    p = torch.randn(n, generator=g)
+    grad = torch.randn(n, generator=g)
+    grad[::3] *= 2.0 ** -140  # near the bottom of the fp32 range
+    grad[1::11] = torch.finfo(torch.float32).smallest_normal * 2.0 ** -23  # the smallest subnormal
+    grad = grad.to(grad_dtype)
+    scaled = grad.float() * torch.tensor(grad_scale, dtype=torch.float32)  # torch's clip: g * coefficient
+    forward, ref = p.clone(), p.clone()
+    with kernels.use_isa(isa):
+        kernels.sign_sgd_step([forward], [grad], lr=1e-2, weight_decay=0.05, grad_scale=grad_scale)
+    sign_sgd_reference_(ref, scaled, lr=1e-2, weight_decay=0.05)
+    assert torch.equal(forward, ref)
+    inverse, ref_inverse = forward.clone(), forward.clone()
+    with kernels.use_isa(isa):
+        kernels.sign_sgd_inverse_step([inverse], [grad], lr=1e-2, weight_decay=0.05, grad_scale=grad_scale)
+    sign_sgd_inverse_reference_(ref_inverse, scaled, lr=1e-2, weight_decay=0.05)
+    assert torch.equal(inverse, ref_inverse)
