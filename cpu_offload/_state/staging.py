@@ -229,7 +229,7 @@ class StateStaging:
             try:
                 with self.lock:
                     used, copied = self._bring_in()
-                    placed = {id(value) for *_, value in self._device_state()}
+                    placed = self._state_ids()
                 self.stepping = True
                 step()
                 self._refuse_shared_storage(placed)
@@ -255,49 +255,50 @@ class StateStaging:
         rest = [p for g in self.optimizer.param_groups for p in g["params"] if id(p) not in self.arrived]
         return self.arrival + rest
 
-    def _device_state(self) -> list:
-        """(name, key, value) of every state tensor the step may update in place (dim >= 1, on
-        its parameter's device)."""
-        found = []
-        for g, group in enumerate(self.optimizer.param_groups):
-            for i, p in enumerate(group["params"]):
-                device = local_of(p).device
-                for key, value in (self.optimizer.state.get(p) or {}).items():
-                    if isinstance(value, torch.Tensor) and value.dim() > 0 and local_of(value).device == device:
-                        found.append((f"param_groups[{g}][{i}]", key, value))
-        return found
+    def _state_ids(self) -> set:
+        """id() of every value in the wrapped optimizer's state."""
+        return {id(value) for state in self.optimizer.state.values() for value in state.values()}
 
     def _refuse_shared_storage(self, placed: set) -> None:
         """Raise (and refuse every later step) if the step just run made state tensors that share
-        storage: views into a larger tensor, or one storage under two entries."""
+        storage: views into a larger tensor, or one storage under two entries. ``placed``: the
+        ``_state_ids`` before the step."""
         # NOTE: each state tensor moves to its own host buffer, and the next step gets a fresh
         # device copy of it. An optimizer that keeps views into a buffer it updates through
         # another reference (one flat buffer, one op per step) would go on stepping that
         # buffer while state_dict() saved the first step's values. Only tensors the step
-        # itself made are checked: a checkpoint loaded with views (torch.save keeps them) is
-        # moved apart by the load, as a per-tensor optimizer such as AdamW expects.
+        # itself made (dim >= 1, on its parameter's device) are checked: a checkpoint loaded
+        # with views (torch.save keeps them) is moved apart by the load, as a per-tensor
+        # optimizer such as AdamW expects.
         owners: dict = {}
-        for name, key, value in self._device_state():
-            local = local_of(value)
-            if id(value) in placed or local.numel() == 0:
-                continue
-            storage = local.untyped_storage()
-            where = f"{type(self.optimizer).__name__}'s state {name}['{key}']"
-            if storage.nbytes() > _nbytes(local):
-                self.refused = (
-                    f"{where} is a view into a larger tensor ({storage.nbytes()} bytes, the view {_nbytes(local)}), "
-                    "which the optimizer's step may update through another reference: offload='optimizer' moves "
-                    "each state tensor to its own host buffer between steps, so that buffer would no longer be the "
-                    "state and state_dict() would not save what the step uses. Keep each state tensor in its own "
-                    "storage, or use offload='none' for this optimizer.")
-                raise RuntimeError(self.refused)
-            other = owners.setdefault(storage.data_ptr(), where)
-            if other != where:
-                self.refused = (
-                    f"{where} shares its storage with {other}: offload='optimizer' moves each state tensor to its "
-                    "own host buffer between steps, which would part them. Keep each state tensor in its own "
-                    "storage, or use offload='none' for this optimizer.")
-                raise RuntimeError(self.refused)
+        for g, group in enumerate(self.optimizer.param_groups):
+            for i, p in enumerate(group["params"]):
+                for key, value in (self.optimizer.state.get(p) or {}).items():
+                    if id(value) in placed or not isinstance(value, torch.Tensor) or value.dim() == 0:
+                        continue
+                    local = local_of(value)
+                    if local.device != local_of(p).device or local.numel() == 0:
+                        continue
+                    self._check_own_storage(local, f"{type(self.optimizer).__name__}'s state "
+                                                   f"param_groups[{g}][{i}]['{key}']", owners)
+
+    def _check_own_storage(self, local: torch.Tensor, where: str, owners: dict) -> None:
+        storage = local.untyped_storage()
+        if storage.nbytes() > _nbytes(local):
+            self.refused = (
+                f"{where} is a view into a larger tensor ({storage.nbytes()} bytes, the view {_nbytes(local)}), "
+                "which the optimizer's step may update through another reference: offload='optimizer' moves "
+                "each state tensor to its own host buffer between steps, so that buffer would no longer be the "
+                "state and state_dict() would not save what the step uses. Keep each state tensor in its own "
+                "storage, or use offload='none' for this optimizer.")
+            raise RuntimeError(self.refused)
+        other = owners.setdefault(storage.data_ptr(), where)
+        if other != where:
+            self.refused = (
+                f"{where} shares its storage with {other}: offload='optimizer' moves each state tensor to its "
+                "own host buffer between steps, which would part them. Keep each state tensor in its own "
+                "storage, or use offload='none' for this optimizer.")
+            raise RuntimeError(self.refused)
 
     def _bring_in(self) -> tuple:
         """Swap the prefetched copies into the state, copy in the rest; returns
