@@ -6,7 +6,6 @@
 import os
 import platform
 
-import pybind11
 from setuptools import Extension, setup
 from setuptools.command.build_ext import build_ext
 
@@ -51,6 +50,10 @@ class BuildPerIsa(build_ext):
                 extra_postargs=COMMON_FLAGS + flags,
             )
         ext.extra_objects = objects
+        # NOTE: imported here, not at the top: making the sdist needs no pybind11.
+        import pybind11
+
+        ext.include_dirs.append(pybind11.get_include())
         super().build_extension(ext)
 
 
@@ -60,7 +63,6 @@ setup(
             "cpu_offload._C",
             sources=["csrc/bindings.cpp", "csrc/dispatch.cpp", "csrc/pool.cpp", "csrc/batch.cpp", "csrc/ops.cpp",
                      "csrc/scalars.cpp", "csrc/validation_cache.cpp"],
-            include_dirs=[pybind11.get_include()],
             extra_compile_args=COMMON_FLAGS,
             extra_link_args=["-pthread"],
             language="c++",

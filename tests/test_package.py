@@ -77,3 +77,23 @@ def test_package_metadata_files():
     assert (Path(cpu_offload.__file__).parent / "py.typed").exists()  # PEP 561: the package is typed
     assert (root / "LICENSE").read_text().startswith("Copyright 2026 The cpu_offload authors")
     assert 'license = "Apache-2.0"' in (root / "pyproject.toml").read_text()
+
+
+def test_the_source_distribution_holds_everything_the_build_reads(tmp_path):
+    # `python -m build` makes the wheel from the sdist, as pip does from PyPI: every native
+    # source and header, and the build's own files, must be in it.
+    import tarfile
+
+    root = Path(__file__).resolve().parents[1]
+    proc = subprocess.run([sys.executable, "-c", f"from setuptools import build_meta; "
+                           f"print(build_meta.build_sdist({str(tmp_path)!r}))"],
+                          cwd=root, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    sdist = tmp_path / proc.stdout.strip().splitlines()[-1]
+    with tarfile.open(sdist) as tar:
+        held = {name.split("/", 1)[1] for name in tar.getnames() if "/" in name}
+    needed = {str(p.relative_to(root)) for p in (root / "csrc").rglob("*") if p.is_file()}
+    needed |= {"setup.py", "pyproject.toml", "README.md", "LICENSE", "cpu_offload/__init__.py",
+               "cpu_offload/_full/optimizer.py", "cpu_offload/topology/__main__.py", "cpu_offload/py.typed"}
+    assert len(needed) > 25
+    assert sorted(needed - held) == []
