@@ -341,6 +341,9 @@ class StateStaging:
         to its host buffer, all but ``overlap_bytes`` of it before the compute
         stream goes on; returns the bytes copied, and those left to overlap."""
         by_device: dict = {}
+        # NOTE: an entry points at its host buffer only once every copy is issued: a buffer that
+        # cannot be allocated, or a copy that fails, leaves the step's device tensors in place.
+        entries = []
         for p in self._params():
             state = self.optimizer.state.get(p)
             if not state:
@@ -359,7 +362,7 @@ class StateStaging:
                     host = torch.empty_like(local, device="cpu", pin_memory=self.pin)
                     self.host[(id(p), key)] = host
                 pairs.append((host, local))
-                state[key] = as_dtensor_like(host, value)
+                entries.append((state, key, host, value))
             if pairs:
                 by_device.setdefault(device, []).append((p, pairs))
         moved = overlapped = 0
@@ -373,6 +376,8 @@ class StateStaging:
             if device.type == "cuda":
                 overlapped += nbytes - (timing[2] if timing else 0)
                 self.overlap.step_ended(engine.compute, timing)
+        for state, key, host, value in entries:
+            state[key] = as_dtensor_like(host, value)
         return moved, overlapped
 
     # ------------------------------------------------------------ waiting

@@ -1,6 +1,7 @@
 # StateOffloadOptimizer (offload="optimizer") on CPU parameters: the state moves
 # between separate host buffers and working tensors around each step, exactly
 # as it does between pinned host RAM and the GPU.
+import copy
 import io
 
 import pytest
@@ -437,3 +438,54 @@ def test_state_tensors_sharing_one_storage_are_refused_at_the_first_step():
     with pytest.raises(RuntimeError, match=r"param_groups\[0\]\[0\]\['saved'\] shares its storage with "
                                            r"AliasedMomentum's state param_groups\[0\]\[0\]\['m'\]"):
         wrapped.step()
+
+
+@pytest.mark.parametrize("fails", ["host buffer", "copy"])
+@pytest.mark.parametrize("call", ["step", "load_state_dict"])
+def test_a_failure_while_the_state_moves_to_the_host_leaves_the_step_state(monkeypatch, fails, call):
+    """Allocating a host buffer (out of memory) or issuing the copies to the host failed after
+    the wrapped step: the entries already pointed at unfilled host buffers, so the step's
+    momentum was lost (zeros), and the next step() went on from them without a word. Now the
+    entries point at the host buffers only once every copy is issued: the state is the step's."""
+    m1, data = model_and_data()
+    m2, _ = model_and_data()
+    plain = torch.optim.SGD(m1.parameters(), lr=0.1, momentum=0.9)
+    wrapped = StateOffloadOptimizer(torch.optim.SGD(m2.parameters(), lr=0.1, momentum=0.9))
+    source = torch.optim.SGD(m1.parameters(), lr=0.1, momentum=0.9)  # a checkpoint with momentum
+    if call == "load_state_dict":
+        for p in m1.parameters():
+            source.state[p]["momentum_buffer"] = torch.randn(p.shape)
+        plain.load_state_dict(copy.deepcopy(source.state_dict()))  # NOTE: torch keeps the tensors it loads
+    if fails == "host buffer":
+        real, host_buffers = torch.empty_like, []
+
+        def alloc(t, *args, **kwargs):  # the second host buffer fails
+            if kwargs.get("device") == "cpu":
+                host_buffers.append(t)
+                if len(host_buffers) == 2:
+                    raise RuntimeError("out of memory")
+            return real(t, *args, **kwargs)
+        monkeypatch.setattr(torch, "empty_like", alloc)
+    else:
+        def copy_out(*args, **kwargs):
+            raise RuntimeError("copy failed")
+        monkeypatch.setattr(SyncStateCopies, "copy_out", copy_out)
+    x = data[0]
+    if call == "step":
+        m2(x).pow(2).mean().backward()
+    with pytest.raises(RuntimeError, match="out of memory|copy failed"):
+        if call == "step":
+            wrapped.step()
+        else:
+            wrapped.load_state_dict(copy.deepcopy(source.state_dict()))
+    monkeypatch.undo()
+    if call == "step":
+        m1(x).pow(2).mean().backward()
+        plain.step()
+    for p, q in zip(m1.parameters(), m2.parameters()):
+        assert torch.equal(p, q)
+        assert torch.equal(plain.state[p]["momentum_buffer"], wrapped.state[q]["momentum_buffer"])
+    train(m1, plain, data[1:3])
+    train(m2, wrapped, data[1:3])
+    for p, q in zip(m1.parameters(), m2.parameters()):
+        assert torch.equal(p, q)
