@@ -13,7 +13,6 @@
 from __future__ import annotations
 
 import copy
-
 import warnings
 
 import torch
@@ -22,16 +21,18 @@ from cpu_offload._full.host_state import write_compute_copies
 from cpu_offload._full.options import read_hparams
 from cpu_offload._full.state_mapping import HOST_STATE_KEPT, MASTER_STEP, host_value, saved_entry, step_value
 
-__all__ = ["state_dict", "load_state_dict", "SPECULATION_KEY", "LATE_HPARAMS_KEY"]
+__all__ = ["state_dict", "load_state_dict", "SPECULATION_KEY", "LATE_HPARAMS_KEY", "CLIP_LIMIT_KEY"]
 
 # NOTE: the factor the next step speculates with (the last step's clipping coefficient and
 # late scale_grads_ factors), and whether the last step's hyper-parameters were set after its
-# last backward began (then the next step does not speculate), decide which bits a redo
-# produces, so a resume is bit-identical only with them. Saved in every param group (one
+# last backward began (then the next step does not speculate), and the 2-norm the last step
+# was clipped to (past it, the next step's chunks wait for their factor), decide which bits a
+# redo produces, so a resume is bit-identical only with them. Saved in every param group (one
 # value per optimizer): torch.distributed's get_optimizer_state_dict keeps group keys but
 # drops other top-level keys; never written into the live groups.
 SPECULATION_KEY = "speculation_factor"
 LATE_HPARAMS_KEY = "late_hyperparameters"
+CLIP_LIMIT_KEY = "clip_limit"
 
 
 def state_dict(opt, *, host_state: bool = True) -> dict:
@@ -51,6 +52,7 @@ def state_dict(opt, *, host_state: bool = True) -> dict:
         packed["params"] = list(range(index, index + len(group["params"])))
         packed[SPECULATION_KEY] = opt._validator.predicted
         packed[LATE_HPARAMS_KEY] = opt._validator.predicted_late_hparams
+        packed[CLIP_LIMIT_KEY] = opt._validator.clip_limit
         if not host_state:
             packed[HOST_STATE_KEPT] = True
         index += len(group["params"])
@@ -86,7 +88,7 @@ def _validate_groups(opt, saved_groups) -> None:
 def _group_options(saved: dict) -> dict:
     """The options of a saved group that load_state_dict writes into the live one."""
     return {k: v for k, v in saved.items()
-            if k not in ("params", "param_names", SPECULATION_KEY, LATE_HPARAMS_KEY, HOST_STATE_KEPT)}
+            if k not in ("params", "param_names", SPECULATION_KEY, LATE_HPARAMS_KEY, CLIP_LIMIT_KEY, HOST_STATE_KEPT)}
 
 
 def _validate(opt, sd: dict) -> tuple:
@@ -157,7 +159,7 @@ def _saved_once(saved_groups, key: str, default):
 
 
 def _speculation(saved_groups) -> tuple:
-    """The saved speculation factor and late-hyper-parameter flag, checked."""
+    """The saved speculation factor, late-hyper-parameter flag and clipping limit, checked."""
     factor = _saved_once(saved_groups, SPECULATION_KEY, 1.0)
     if isinstance(factor, bool) or not isinstance(factor, (int, float)) or not (0 < factor < float("inf")):
         raise ValueError(f"state_dict param_groups[...]['{SPECULATION_KEY}'] must be a finite number > 0, "
@@ -165,7 +167,12 @@ def _speculation(saved_groups) -> tuple:
     late = _saved_once(saved_groups, LATE_HPARAMS_KEY, False)
     if not isinstance(late, bool):
         raise ValueError(f"state_dict param_groups[...]['{LATE_HPARAMS_KEY}'] must be True or False, got {late!r}")
-    return float(factor), late
+    limit = _saved_once(saved_groups, CLIP_LIMIT_KEY, None)
+    if limit is not None and (isinstance(limit, bool) or not isinstance(limit, (int, float))
+                              or not 0 <= limit < float("inf")):
+        raise ValueError(f"state_dict param_groups[...]['{CLIP_LIMIT_KEY}'] must be None or a finite number >= 0, "
+                         f"got {limit!r}")
+    return float(factor), late, None if limit is None else float(limit)
 
 
 def _load_groups(opt, saved_groups) -> None:
@@ -191,7 +198,7 @@ def load_state_dict(opt, sd: dict) -> None:
         _load_groups(opt, sd["param_groups"])  # the host state stayed where it is
         return
     plan, stale, frozen = _validate(opt, sd)
-    factor, late = _speculation(sd["param_groups"])
+    factor, late, limit = _speculation(sd["param_groups"])
     stale_ids = {id(rec) for rec, *_ in stale}
     rounded = []  # trained entries without a master whose weights were loaded at the compute dtype
     with torch.no_grad():
@@ -216,6 +223,7 @@ def load_state_dict(opt, sd: dict) -> None:
     opt._frozen_entries = frozen
     opt._validator.predicted = factor
     opt._validator.predicted_late_hparams = late
+    opt._validator.clip_limit = limit
     if rounded:
         dtype = str(rounded[0].local().dtype).replace("torch.", "")
         warnings.warn(

@@ -126,12 +126,15 @@ class ChunkRunner:
         # a compute_marker the copies to the device wait for instead of a fresh one
         # (Pipeline.end_backward), or None
         self.after = None
+        self.clip_limit: Optional[float] = None  # the window's likely clipping 2-norm (``_hold_back``)
         self.reset_window()
 
     def reset_window(self) -> None:
         self.nonfinite = False  # a gradient of this window is NaN or Inf
         self.held_back = False  # a chunk was not stepped speculatively (deferred, or its g*g could overflow)
         self.stepped: list[SteppedPiece] = []  # each piece this window's step has stepped
+        self._norm_sq = 0.0  # squared 2-norm of this rank's gradients read so far in the window
+        self._norm_recs: set = set()  # records whose whole-parameter norm _norm_sq holds
 
     def forget_plans(self) -> None:
         self._plans.clear()
@@ -156,6 +159,9 @@ class ChunkRunner:
             self.phase = f"waiting for h2d slot {out_slot.index}"
             h2d_wait = self._wait(out_slot.marker, f"h2d slot {out_slot.index} to be copied out")
             out_slot.owner = chunk.seq
+        # NOTE: the records a kernel call of this chunk changed, until their pieces count: a
+        # failure in between leaves their masters matching no whole step (``uncounted``).
+        changed: list = []
         try:
             plan = self._plan(chunk, out_slot)
             self.phase = "accumulate"
@@ -189,6 +195,7 @@ class ChunkRunner:
                 else:
                     kernels.sign_sgd_step(call.params, call.grads, lr=hp["lr"], weight_decay=hp["weight_decay"],
                                           grad_scale=hp["grad_scale"], compute_params=call.outs)
+                changed = call.recs + changed
             if chunk.final:
                 self.stepped.extend(SteppedPiece(p.rec, p.start, p.numel, p.rec.step + 1, chunk.hparams[p.rec.group])
                                     for p in chunk.pieces)
@@ -207,6 +214,7 @@ class ChunkRunner:
                 # the moments and (once the copy lands) the compute copy are the new ones.
                 for p in chunk.pieces:
                     p.rec.piece_stepped()
+                changed = []
             with self._lock:
                 self.stats["grad_wait_s"] += grad_wait
                 self.stats["h2d_slot_wait_s"] += h2d_wait
@@ -219,6 +227,10 @@ class ChunkRunner:
                 self.stats["worker_overhead_s"] += (time.perf_counter() - start - grad_wait - h2d_wait
                                                     - (t2 - t0))
                 self._release(chunk)
+        except BaseException:
+            for rec in changed:
+                rec.uncounted = True
+            raise
         finally:
             if out_slot is not None:
                 out_slot.owner = None
@@ -255,14 +267,26 @@ class ChunkRunner:
         (Inf - Inf), whereas a late small factor (scale_grads_, clipping) would have kept the
         step finite, as in torch. Such chunks are not stepped; validation redoes them
         with the final factor. |g_i| <= the 2-norm of the piece's parameter (or accumulator
-        so far), so the test is conservative."""
+        so far), so the test is conservative.
+
+        NOTE: also once this rank's gradients read so far have a 2-norm above the window's
+        likely clipping limit: the step will clip (the total norm is at least that), so what
+        is stepped now is rolled back and redone anyway, and the rest waits for the factor.
+        Where a gradient far above its history (a loss spike) dominated the moments, a
+        rollback cannot recover the old ones (rollback.py): such chunks are then never
+        stepped speculatively."""
         if not chunk.speculative:
             return False
         if chunk.deferred:
             self.held_back = True
         elif not self.held_back and self.track_norms:
-            self.held_back = self.could_overflow([p.rec for p in chunk.pieces], chunk)
+            self.held_back = self.could_overflow([p.rec for p in chunk.pieces], chunk) or self._will_clip(chunk)
         return self.held_back
+
+    def _will_clip(self, chunk) -> bool:
+        if self.algorithm != "adamw" or self.clip_limit is None:
+            return False
+        return math.sqrt(self._norm_sq) * chunk.hparams[0]["grad_scale"] > self.clip_limit
 
     def could_overflow(self, recs: list, chunk) -> bool:
         """Whether the speculative step of one of ``recs`` with the hyper-parameters of
@@ -281,9 +305,13 @@ class ChunkRunner:
             if self.accumulate:
                 n = float(local_norm(p.rec.accum[p.start : p.start + p.numel]))
                 p.rec.grad_sq += n * n
+                self._norm_sq += n * n
             else:
                 n = device_norms[p.rec.index]
                 p.rec.grad_sq = n * n
+                if p.rec.index not in self._norm_recs:  # NOTE: the norm is the whole parameter's
+                    self._norm_recs.add(p.rec.index)
+                    self._norm_sq += n * n
             if not math.isfinite(n):
                 self.nonfinite = True
 

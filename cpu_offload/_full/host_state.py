@@ -57,6 +57,7 @@ class ParamRecord:
     arrived: int = -1  # micro-batch index of the last gradient seen
     pieces_total: int = 0  # pieces of this window's optimizer step (0: not stepped)
     pieces_done: int = 0  # of which the worker has stepped; step += 1 when all are done
+    uncounted: bool = False  # a kernel changed pieces of this window whose chunk then failed, uncounted
     grad_sq: float = 0.0  # squared 2-norm of the window's (local) gradient, when norms are tracked
     retained: Optional[torch.Tensor] = None  # without accumulation: the window's gradient, kept for a redo
     hook: object = field(default=None, repr=False)
@@ -86,8 +87,9 @@ class ParamRecord:
 
     @property
     def torn(self) -> bool:
-        """Some pieces of this window's step were stepped, not all."""
-        return 0 < self.pieces_done < self.pieces_total
+        """Some pieces of this window's step were stepped, not all, or a chunk failed after
+        its kernel changed pieces of this parameter (their master matches no whole step)."""
+        return self.uncounted or 0 < self.pieces_done < self.pieces_total
 
     def undo_step(self) -> None:
         """The stepped pieces were rolled back: the step no longer counts."""
@@ -97,6 +99,7 @@ class ParamRecord:
 
     def reset_window(self) -> None:
         self.has_accum = False
+        self.uncounted = False
         self.arrived = -1
         self.pieces_total = self.pieces_done = 0
         self.grad_sq = 0.0

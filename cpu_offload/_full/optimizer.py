@@ -482,7 +482,8 @@ class FullCPUOffloadOptimizer(WindowControls, torch.optim.Optimizer):
         self._validator.forget_norms()
         self._pipeline.begin_backward(micro=self._proto.micro, final=self._proto.final, hparams=hparams,
                                       speculative=self._proto.final,
-                                      deferred=self._proto.final and self._validator.defers())
+                                      deferred=self._proto.final and self._validator.defers(),
+                                      clip_limit=self._validator.clip_limit)
 
     def _backward_ended(self, gen: int) -> None:
         # NOTE: a Ctrl-C once a backward has ended is raised when the pass is recorded (and,
@@ -539,8 +540,9 @@ class FullCPUOffloadOptimizer(WindowControls, torch.optim.Optimizer):
                 self._recover(quiet=True)
             raise err
 
-    def _recover(self, *, quiet: bool = False) -> None:
-        """ABORTED -> IDLE: finish what was staged, count what was stepped, drop the rest."""
+    def _recover(self, *, quiet: bool = False) -> list:
+        """ABORTED -> IDLE: finish what was staged, count what was stepped, drop the rest;
+        returns the records whose update was applied and counts."""
         micro, final = self._proto.micro, self._proto.final
         self._proto.gen += 1  # signals of the dead backward are stale from here on
         self._next_forward.remove()
@@ -558,7 +560,7 @@ class FullCPUOffloadOptimizer(WindowControls, torch.optim.Optimizer):
                 for rec in self._records:
                     rec.param.grad = None
         if torn:
-            raise RuntimeError(f"parameters {torn} were only partly updated when the backward pass failed; "
+            raise RuntimeError(f"parameters {torn} were only partly updated when the window failed; "
                                "their masters no longer match a whole step: reload the last checkpoint")
         if not quiet:
             where = f"backward pass {micro + 1} of {self.grad_accum_steps}"
@@ -566,6 +568,7 @@ class FullCPUOffloadOptimizer(WindowControls, torch.optim.Optimizer):
                     "step (as if the others had no gradient); " if final else "")
             warnings.warn(f"cpu_offload: {where} raised; {done}the rest of the accumulation window was discarded",
                           RuntimeWarning, stacklevel=_user_stacklevel())
+        return stepped
 
     def _read_hparams(self, *, speculate: bool = False) -> list:
         hparams = read_hparams(self.param_groups, self._algorithm, bf16_moments=self._bf16_moments)
@@ -590,20 +593,31 @@ class FullCPUOffloadOptimizer(WindowControls, torch.optim.Optimizer):
                 # that step() can tell an edit made since from them
                 self._guarded(lambda: land_window(self._records, self._pipeline, self._transfer))
         self._proto.landed = not late
-        self._guarded(self._device.read_norms)
-        self._guarded(self._validator.after_final_pass)
+        self._guarded(self._device.read_norms, completes_step=True)
+        self._guarded(self._validator.after_final_pass, completes_step=True)
         self._proto.move(Phase.APPLIED)
 
-    def _guarded(self, work) -> None:
+    def _guarded(self, work, *, completes_step: bool = False) -> None:
         """Run ``work`` on an open window, counting its time as blocked; on a failure
-        the window is closed as after an aborted backward, then it raises."""
+        the window is closed as after an aborted backward, then it raises.
+
+        ``completes_step``: ``work`` makes the window's speculative step the final one (its
+        validation, a redo, the device records' step). A failure there leaves the updates made
+        before it, which are not the step torch would make: that raises, naming them."""
         t0 = time.perf_counter()
         try:
             work()
-        except BaseException:
+        except BaseException as exc:
             if self._proto.phase in (Phase.BACKWARD, Phase.ACCUMULATING, Phase.APPLIED):
                 self._proto.move(Phase.ABORTED)
-                self._recover(quiet=True)
+                kept = self._recover(quiet=True)
+                # NOTE: not a KeyboardInterrupt: a real one waits for this work (deferred_interrupts)
+                if completes_step and kept and not isinstance(exc, KeyboardInterrupt):
+                    raise RuntimeError(
+                        f"the optimizer step did not complete ({type(exc).__name__}: {exc}); parameters "
+                        f"{[rec.name for rec in kept]} keep the update made during backward, before the step's "
+                        "clipping, scale_grads_ factor, non-finite check or late hyper-parameters were applied, so "
+                        "their state is not the step torch would make: reload the last checkpoint") from exc
             raise
         self._proto.blocked_s += time.perf_counter() - t0
 
@@ -735,8 +749,8 @@ class FullCPUOffloadOptimizer(WindowControls, torch.optim.Optimizer):
         """``blocked_before``: the window's blocked time up to this step() call, whose own
         time (its guarded work included) counts once, from ``t0``; ``hparams``: the groups'
         hyper-parameters as step() read them."""
-        self._guarded(lambda: self._validator.apply(hparams))
-        self._guarded(lambda: self._step_device_state(hparams))
+        self._guarded(lambda: self._validator.apply(hparams), completes_step=True)
+        self._guarded(lambda: self._step_device_state(hparams), completes_step=True)
         self._transfer.set_compute_stream()
         landing = self._overlap and self._pipeline.in_flight
         if self._overlap and not landing:

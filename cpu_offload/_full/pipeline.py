@@ -193,8 +193,11 @@ class Pipeline:
             raise err
 
     def begin_backward(self, *, micro: int, final: bool, hparams: Optional[list], speculative: bool = False,
-                       deferred: bool = False) -> None:
+                       deferred: bool = False, clip_limit: Optional[float] = None) -> None:
+        """``clip_limit``: the 2-norm the window's gradients will likely be clipped to (None: unknown)."""
         self._cur = Pass(micro, final, hparams, speculative, deferred)
+        if final:
+            self._runner.clip_limit = clip_limit
         self._runner.after = None
         self.trace.mark("backward_begin", micro)
 

@@ -26,10 +26,24 @@
 # m1, v1 and stored them rounded; the inverse can only read the rounded ones. It
 # computes in fp32 from them and stores m0, v0 rounded to bf16. The update
 # u it recomputes is then off by up to about 2**-8 of |u| (not the same bits), so
-# the master comes back within about |u| * 2**-8 instead of one ulp, and each
+# the master comes back within about |u| * 2**-8 instead of one ulp (but after a first
+# step, whose fp32 m1 and v1 are recomputed from zeros: ``_undo_first_step``), and each
 # moment within about one bf16 ulp of its terms (the stored rounding, divided by
 # beta, rounded again). A skipped step's moments are therefore not bit-identical
 # to before it when something had been stepped; a NaN loss steps nothing.
+#
+# NOTE: AdamW's moments after t steps of any gradients satisfy m*m <= K_t*v, with
+#   K_t = (1-b1)**2/(1-b2) * sum_{k<t} (b1*b1/b2)**k
+# (Cauchy-Schwarz on m = sum (1-b1)*b1**k*g_{t-k} and v = sum (1-b2)*b2**k*g_{t-k}**2), and
+# before the first step m = v = 0. Where the step's own gradient term dominated v1 (a
+# first step, a gradient far above its history: a loss spike), the old v comes back as 0
+# (the rounding of v1 is larger than it) beside an m0 that is the old m or, where m1 was
+# dominated too, the rounding of m1; a redo with a much smaller factor then divided that
+# by eps: weights moved by orders of magnitude more than lr. So after the inverse, a first
+# step's moments are set to 0 (exact), and where v0 is lost (within a few roundings of the
+# gradient's term) it is raised to at least m0*m0/K_t (10% under it, for the rounding of
+# a state at the bound), which the true v0 is above (with the betas of the steps before):
+# the redo is then an AdamW step of AdamW's size, whatever the rounding lost.
 #
 # Scope: the inverse step over the stepped pieces, one native call per group of pieces
 # with the same hyper-parameters and dtypes, parallel over the kernel pool (kernels.py
@@ -38,6 +52,7 @@
 
 from __future__ import annotations
 
+import math
 from typing import Sequence
 
 import torch
@@ -58,7 +73,8 @@ def _kernel_grad(grad: torch.Tensor) -> torch.Tensor:
 
 def rollback_adamw_pieces_(params, grads, exp_avgs, exp_avg_sqs, steps: Sequence[int], *, lr, beta1, beta2, eps,
                            weight_decay, grad_scale=1.0) -> None:
-    """Undo one AdamW step in place on each tensor of the lists, in one native call.
+    """Undo one AdamW step in place on each tensor of the lists, in one native call (and
+    one per block of first steps with bf16 moments).
 
     Args:
         params, exp_avgs, exp_avg_sqs: contiguous fp32 masters and fp32 (or both bf16)
@@ -67,9 +83,57 @@ def rollback_adamw_pieces_(params, grads, exp_avgs, exp_avg_sqs, steps: Sequence
         steps: the count each tensor's step used (1 for the first).
         lr, beta1, beta2, eps, weight_decay, grad_scale: those of the step.
     """
-    kernels.adamw_inverse_step(list(params), [_kernel_grad(g) for g in grads], list(exp_avgs), list(exp_avg_sqs),
-                               torch.tensor(list(steps), dtype=torch.int64), lr=lr, beta1=beta1, beta2=beta2,
-                               eps=eps, weight_decay=weight_decay, grad_scale=grad_scale)
+    hp = dict(lr=lr, beta1=beta1, beta2=beta2, eps=eps, weight_decay=weight_decay, grad_scale=grad_scale)
+    grads = [_kernel_grad(g) for g in grads]
+    first = [i for i, (step, m) in enumerate(zip(steps, exp_avgs)) if step == 1 and m.dtype == torch.bfloat16]
+    rest = sorted(set(range(len(steps))) - set(first))
+    for i in first:
+        _undo_first_step(params[i], grads[i], hp)
+    if rest:
+        pick = [[xs[i] for i in rest] for xs in (params, grads, exp_avgs, exp_avg_sqs)]
+        kernels.adamw_inverse_step(*pick, torch.tensor([steps[i] for i in rest], dtype=torch.int64), **hp)
+        _keep_reachable_moments(*pick[1:], [steps[i] for i in rest], float(beta1), float(beta2), float(grad_scale))
+    for i in first:
+        exp_avgs[i].zero_()
+        exp_avg_sqs[i].zero_()
+
+
+# NOTE: the fp32 blocks a first step's undo works in: 12 B an element, 192 MiB.
+_FIRST_STEP_BLOCK = 1 << 24
+
+
+def _undo_first_step(param, grad, hp: dict) -> None:
+    """The master before a first step with bf16 moments. Its moments were 0, so the forward
+    step's unrounded fp32 m1 and v1 are that step on zeros: the inverse reads those (the
+    update's own bits, as with fp32 moments), not the rounded ones it stored."""
+    for start in range(0, param.numel(), _FIRST_STEP_BLOCK):
+        p, g = param[start : start + _FIRST_STEP_BLOCK], grad[start : start + _FIRST_STEP_BLOCK]
+        m1, v1, scratch = (torch.zeros(p.numel(), dtype=torch.float32) for _ in range(3))
+        kernels.adamw_step([scratch], [g], [m1], [v1], torch.zeros(1, dtype=torch.int64), **hp)
+        kernels.adamw_inverse_step([p], [g], [m1], [v1], torch.ones(1, dtype=torch.int64), **hp)
+
+
+def _keep_reachable_moments(grads, exp_avgs, exp_avg_sqs, steps: Sequence[int], beta1: float, beta2: float,
+                            grad_scale: float) -> None:
+    """Moments AdamW can reach after ``step - 1`` steps where the inverse lost v0 (the
+    header's NOTE), in place."""
+    if beta1 == 0.0 or beta2 == 0.0:  # NOTE: a moment whose beta is 0 is not read again
+        return
+    q = beta1 * beta1 / beta2
+    for g, m, v, step in zip(grads, exp_avgs, exp_avg_sqs, steps):
+        t = step - 1  # the steps the moments hold
+        if t == 0:
+            m.zero_()
+            v.zero_()
+            continue
+        if q > 1.0 and t * math.log(q) > 600.0:
+            continue  # the bound is beyond any float
+        k = (1.0 - beta1) ** 2 / (1.0 - beta2) * (t if q == 1.0 else (1.0 - q**t) / (1.0 - q))
+        # v0 within a few roundings of the step's gradient term (b2*v0 < 4 ulp of (1-b2)*g*g) is lost
+        ulp = 2.0**-8 if v.dtype == torch.bfloat16 else 2.0**-23
+        vf = v.float()
+        lost = vf < g.float().mul(grad_scale).square_().mul_(4.0 * ulp * (1.0 - beta2) / beta2)
+        v.copy_(torch.where(lost, torch.maximum(vf, m.float().square().div_(k * 1.1)), vf))
 
 
 def rollback_sign_sgd_pieces_(params, grads, *, lr, weight_decay, grad_scale=1.0) -> None:

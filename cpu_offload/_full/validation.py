@@ -16,9 +16,10 @@
 #   - a factor that differs from the one applied (max_grad_norm, clip_grad_norm_,
 #     scale_grads_): rolled back and stepped again with the new factor. A step
 #     that does not clip keeps factor 1 and is never touched;
-#   - chunks the runner held back (the window deferred its step, see ``defers``, or their
-#     speculative g*g could overflow float32, which no rollback undoes): the stepped ones
-#     are rolled back and all are stepped with the final factor;
+#   - chunks the runner held back (the window deferred its step, see ``defers``, their
+#     speculative g*g could overflow float32, which no rollback undoes, or the gradients
+#     read so far already exceed the clipping limit, ``clip_limit``): the stepped ones are
+#     rolled back and all are stepped with the final factor;
 #   - hyper-parameters changed after the window's last backward began (a loop that sets
 #     the learning rate between backward and step(), as torch allows): step() rolls back
 #     and redoes the step with the values it reads, as torch's step() would use them.
@@ -90,6 +91,9 @@ class StepValidator:
         self._warned_at = -math.inf
         self.predicted = 1.0  # the factor the last window was given after its last backward
         self.predicted_late_hparams = False  # the last window's hyper-parameters changed after its last backward
+        # the 2-norm the next windows will likely be clipped to: the last clip's (also by
+        # max_grad_norm, so that the option and a framework's clip_grad_norm_ step alike)
+        self.clip_limit: Optional[float] = None
         self._warned_late_hparams = False
         self.open_window()
 
@@ -131,6 +135,7 @@ class StepValidator:
                 f"the total norm of order {norm_type} of the gradients is non-finite ({total}), so they cannot be "
                 "clipped; with error_if_nonfinite=False this step would be skipped (skip_nonfinite) instead")
         self.grad_norm, self.clip_coef = total, clip_coefficient(max_norm, total)
+        self.clip_limit = max_norm if norm_type == 2.0 else None
         if not math.isfinite(total):
             return total
         if in_place:

@@ -62,8 +62,9 @@ def salvage_window(records, pipeline, transfer) -> tuple[list, list]:
 
     NOTE: a parameter counts its step only once all of its pieces were stepped
     (the chunk runner counts), so the stepped ones are exactly those whose
-    master changed; a partly stepped one is only possible when a chunk failed
-    inside the worker after another chunk of the same parameter succeeded.
+    master changed whole; a partly stepped one (``torn``) is only possible when a
+    chunk failed inside the worker after another chunk of the same parameter
+    succeeded, or after its own kernel ran.
     """
     try:
         try:

@@ -247,3 +247,37 @@ def test_a_ctrl_c_at_any_line_of_a_late_change_step_then_step_again_is_exact(sig
                         assert torch.equal(a, b) if torch.is_tensor(a) else a == b, (steps, k, name)
                 off.close()
             assert k > 50, k
+
+
+def test_the_clipping_limit_is_saved_checked_and_restored():
+    """The 2-norm the last step was clipped to decides whether the next step's chunks wait for
+    their factor, so a resume needs it; a bad one is refused before anything changes, and a
+    checkpoint without it (an earlier version, torch's) loads with none."""
+    model, opt = build("adamw")
+    off = FullCPUOffloadOptimizer(opt, max_grad_norm=3.0, **SMALL)
+    train_step(model, off, 0, 1)
+    off.clip_grad_norm_(0.5)
+    off.step()
+    sd = off.state_dict()
+    assert {g["clip_limit"] for g in sd["param_groups"]} == {0.5}
+    sd = {"state": {i: {k: v.clone() for k, v in e.items()} for i, e in sd["state"].items()},
+          "param_groups": [dict(g) for g in sd["param_groups"]]}
+    fresh = FullCPUOffloadOptimizer(build("adamw")[1], max_grad_norm=3.0, **SMALL)
+    before = snapshot(fresh)
+    for bad in ("1", -1.0, math.inf, True):
+        for group in sd["param_groups"]:
+            group["clip_limit"] = bad
+        with pytest.raises(ValueError, match=r"\['clip_limit'\] must be None or a finite number >= 0"):
+            fresh.load_state_dict(sd)
+        assert all(torch.equal(r.master, before[r.name][0]) for r in records_of(fresh))
+    for group in sd["param_groups"]:
+        group["clip_limit"] = 0.5
+    fresh.load_state_dict(sd)
+    assert fresh._validator.clip_limit == 0.5
+    assert all("clip_limit" not in g for g in fresh.param_groups)  # never leaks into the groups
+    for group in sd["param_groups"]:
+        del group["clip_limit"]
+    fresh.load_state_dict(sd)
+    assert fresh._validator.clip_limit is None
+    off.close()
+    fresh.close()
