@@ -74,7 +74,7 @@ def _kernel_grad(grad: torch.Tensor) -> torch.Tensor:
 def rollback_adamw_pieces_(params, grads, exp_avgs, exp_avg_sqs, steps: Sequence[int], *, lr, beta1, beta2, eps,
                            weight_decay, grad_scale=1.0) -> None:
     """Undo one AdamW step in place on each tensor of the lists, in one native call (and
-    one per block of first steps with bf16 moments).
+    one per block of first steps).
 
     Args:
         params, exp_avgs, exp_avg_sqs: contiguous fp32 masters and fp32 (or both bf16)
@@ -85,8 +85,8 @@ def rollback_adamw_pieces_(params, grads, exp_avgs, exp_avg_sqs, steps: Sequence
     """
     hp = dict(lr=lr, beta1=beta1, beta2=beta2, eps=eps, weight_decay=weight_decay, grad_scale=grad_scale)
     grads = [_kernel_grad(g) for g in grads]
-    first = [i for i, (step, m) in enumerate(zip(steps, exp_avgs)) if step == 1 and m.dtype == torch.bfloat16]
-    rest = sorted(set(range(len(steps))) - set(first))
+    first = [i for i, step in enumerate(steps) if step == 1]
+    rest = [i for i, step in enumerate(steps) if step != 1]
     for i in first:
         _undo_first_step(params[i], grads[i], hp)
     if rest:
@@ -103,9 +103,9 @@ _FIRST_STEP_BLOCK = 1 << 24
 
 
 def _undo_first_step(param, grad, hp: dict) -> None:
-    """The master before a first step with bf16 moments. Its moments were 0, so the forward
-    step's unrounded fp32 m1 and v1 are that step on zeros: the inverse reads those (the
-    update's own bits, as with fp32 moments), not the rounded ones it stored."""
+    """The master before a first step. Its moments were 0, so the forward step's fp32 m1
+    and v1 are that step on zeros: the inverse reads those (the update's own bits), not the
+    ones it stored (with bf16 moments, rounded)."""
     for start in range(0, param.numel(), _FIRST_STEP_BLOCK):
         p, g = param[start : start + _FIRST_STEP_BLOCK], grad[start : start + _FIRST_STEP_BLOCK]
         m1, v1, scratch = (torch.zeros(p.numel(), dtype=torch.float32) for _ in range(3))
@@ -115,17 +115,13 @@ def _undo_first_step(param, grad, hp: dict) -> None:
 
 def _keep_reachable_moments(grads, exp_avgs, exp_avg_sqs, steps: Sequence[int], beta1: float, beta2: float,
                             grad_scale: float) -> None:
-    """Moments AdamW can reach after ``step - 1`` steps where the inverse lost v0 (the
+    """Moments AdamW can reach after ``step - 1 >= 1`` steps where the inverse lost v0 (the
     header's NOTE), in place."""
     if beta1 == 0.0 or beta2 == 0.0:  # NOTE: a moment whose beta is 0 is not read again
         return
     q = beta1 * beta1 / beta2
     for g, m, v, step in zip(grads, exp_avgs, exp_avg_sqs, steps):
-        t = step - 1  # the steps the moments hold
-        if t == 0:
-            m.zero_()
-            v.zero_()
-            continue
+        t = step - 1  # the steps the moments hold (a first step's are restored as zeros)
         if q > 1.0 and t * math.log(q) > 600.0:
             continue  # the bound is beyond any float
         k = (1.0 - beta1) ** 2 / (1.0 - beta2) * (t if q == 1.0 else (1.0 - q**t) / (1.0 - q))
