@@ -13,6 +13,7 @@
 from __future__ import annotations
 
 import copy
+import math
 import warnings
 
 import torch
@@ -151,7 +152,8 @@ def _validate(opt, sd: dict) -> tuple:
 def _saved_once(saved_groups, key: str, default):
     """The value every saved group holds for ``key`` (``default``: a checkpoint of a version
     without it, or of torch.optim.AdamW); a 0-d tensor is read as its number."""
-    values = {g.get(key, default) for g in saved_groups}
+    # NOTE: NaN != NaN: NaNs count as one value, refused by the caller's check of it
+    values = {math.nan if isinstance(v, float) and math.isnan(v) else v for v in (g.get(key, default) for g in saved_groups)}
     if len(values) != 1:
         raise ValueError(f"state_dict param_groups disagree on '{key}': {sorted(values)}")
     (value,) = values

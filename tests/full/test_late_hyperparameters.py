@@ -281,3 +281,22 @@ def test_the_clipping_limit_is_saved_checked_and_restored():
     assert fresh._validator.clip_limit is None
     off.close()
     fresh.close()
+
+
+@pytest.mark.parametrize("bad", ["1", 0.0, -1.0, math.inf, math.nan, True])
+def test_a_bad_speculation_factor_is_refused_naming_it_before_anything_changes(bad):
+    """A NaN in each group (a float object of its own in each, as after a save that wrote
+    them one by one) was reported as the groups disagreeing ([nan, nan]), not as a bad value."""
+    model, opt = build("adamw")
+    off = FullCPUOffloadOptimizer(opt, **SMALL)
+    train_step(model, off, 0, 1)
+    off.step()
+    sd = off.state_dict()
+    sd = {"state": {i: {k: v.clone() for k, v in e.items()} for i, e in sd["state"].items()},
+          "param_groups": [dict(g, speculation_factor=bad + 0.0 if type(bad) is float else bad)
+                           for g in sd["param_groups"]]}
+    before = snapshot(off)
+    with pytest.raises(ValueError, match=r"\['speculation_factor'\] must be a finite number > 0"):
+        off.load_state_dict(sd)
+    assert all(torch.equal(r.master, before[r.name][0]) and r.step == before[r.name][3] for r in records_of(off))
+    off.close()
