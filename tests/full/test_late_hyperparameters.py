@@ -176,14 +176,22 @@ def test_resume_after_late_changes_is_bit_identical(kind, state_dtype):
     resumed.close()
 
 
-def test_a_checkpoint_with_a_bad_late_flag_changes_nothing_and_one_without_it_loads():
+def stepped_once(*, clip=None, **opts):
+    """A wrapper after one step (clipped to ``clip``), and a copy of its state_dict whose
+    groups can be edited."""
     model, opt = build("adamw")
-    off = FullCPUOffloadOptimizer(opt, **SMALL)
+    off = FullCPUOffloadOptimizer(opt, **SMALL, **opts)
     train_step(model, off, 0, 1)
+    if clip is not None:
+        off.clip_grad_norm_(clip)
     off.step()
     sd = off.state_dict()
-    sd = {"state": {i: {k: v.clone() for k, v in e.items()} for i, e in sd["state"].items()},
-          "param_groups": [dict(g) for g in sd["param_groups"]]}
+    return off, {"state": {i: {k: v.clone() for k, v in e.items()} for i, e in sd["state"].items()},
+                 "param_groups": [dict(g) for g in sd["param_groups"]]}
+
+
+def test_a_checkpoint_with_a_bad_late_flag_changes_nothing_and_one_without_it_loads():
+    off, sd = stepped_once()
     before = snapshot(off)
     for bad in ("yes", 1, None):
         for group in sd["param_groups"]:
@@ -253,15 +261,8 @@ def test_the_clipping_limit_is_saved_checked_and_restored():
     """The 2-norm the last step was clipped to decides whether the next step's chunks wait for
     their factor, so a resume needs it; a bad one is refused before anything changes, and a
     checkpoint without it (an earlier version, torch's) loads with none."""
-    model, opt = build("adamw")
-    off = FullCPUOffloadOptimizer(opt, max_grad_norm=3.0, **SMALL)
-    train_step(model, off, 0, 1)
-    off.clip_grad_norm_(0.5)
-    off.step()
-    sd = off.state_dict()
+    off, sd = stepped_once(clip=0.5, max_grad_norm=3.0)
     assert {g["clip_limit"] for g in sd["param_groups"]} == {0.5}
-    sd = {"state": {i: {k: v.clone() for k, v in e.items()} for i, e in sd["state"].items()},
-          "param_groups": [dict(g) for g in sd["param_groups"]]}
     fresh = FullCPUOffloadOptimizer(build("adamw")[1], max_grad_norm=3.0, **SMALL)
     before = snapshot(fresh)
     for bad in ("1", -1.0, math.inf, True):
@@ -287,14 +288,9 @@ def test_the_clipping_limit_is_saved_checked_and_restored():
 def test_a_bad_speculation_factor_is_refused_naming_it_before_anything_changes(bad):
     """A NaN in each group (a float object of its own in each, as after a save that wrote
     them one by one) was reported as the groups disagreeing ([nan, nan]), not as a bad value."""
-    model, opt = build("adamw")
-    off = FullCPUOffloadOptimizer(opt, **SMALL)
-    train_step(model, off, 0, 1)
-    off.step()
-    sd = off.state_dict()
-    sd = {"state": {i: {k: v.clone() for k, v in e.items()} for i, e in sd["state"].items()},
-          "param_groups": [dict(g, speculation_factor=bad + 0.0 if type(bad) is float else bad)
-                           for g in sd["param_groups"]]}
+    off, sd = stepped_once()
+    for group in sd["param_groups"]:
+        group["speculation_factor"] = bad + 0.0 if type(bad) is float else bad
     before = snapshot(off)
     with pytest.raises(ValueError, match=r"\['speculation_factor'\] must be a finite number > 0"):
         off.load_state_dict(sd)
