@@ -866,6 +866,13 @@ class FullCPUOffloadOptimizer(WindowControls, torch.optim.Optimizer):
         """Where an open window stands (``Phase``'s words), or None between windows."""
         return None if self._proto.phase in (Phase.IDLE, Phase.CLOSED) else self._proto.phase.value
 
+    def _drop_held_grads(self, param_ids: set) -> None:
+        """A module's ``zero_grad()`` between windows: the parameters ``param_ids`` no longer
+        hold the zero gradient that ``zero_grad(set_to_none=False)`` left them."""
+        for rec in self._records:
+            if id(rec.param) in param_ids:
+                rec.holds_grad = False
+
     def _drop_window(self, set_to_none: bool) -> None:
         late_edits = []
         if self._proto.phase is Phase.ACCUMULATING:

@@ -6,7 +6,8 @@
 # torch's and, for each full-offload optimizer whose parameters the module holds, that
 # optimizer's zero_grad() when the module holds all of them; when it holds part of them and
 # a window is open it raises first, naming what to call (a window cannot drop part of
-# itself), and between windows it leaves them alone (nothing is held).
+# itself); between windows, with ``set_to_none``, it drops the zero gradients they hold since
+# the optimizer's ``zero_grad(set_to_none=False)``, so that step() skips them as torch's does.
 #
 # Scope: Module.zero_grad. Non-goals: the optimizer's own zero_grad (optimizer.py).
 
@@ -30,7 +31,7 @@ def zero_grad(self: torch.nn.Module, set_to_none: bool = True) -> None:
         owner = ownership.owner_of(p)
         if owner is not None:
             owners.setdefault(id(owner), (owner, set()))[1].add(id(p))
-    whole = []
+    whole, part = [], []
     for owner, held in owners.values():
         owned = ownership.owned_count(owner)
         if len(held) == owned:
@@ -42,9 +43,13 @@ def zero_grad(self: torch.nn.Module, set_to_none: bool = True) -> None:
                 f"model.zero_grad() over {len(held)} of the {owned} parameters of a full-offload optimizer {phase}: "
                 "their gradients are summed on the host for the whole window, which cannot drop part of itself; "
                 "call the optimizer's zero_grad() (or zero_grad() on a module that holds all of its parameters)")
+        part.append((owner, held))
     _torch_zero_grad(self, set_to_none)
     for owner in whole:
         owner.zero_grad(set_to_none)
+    if set_to_none:
+        for owner, held in part:
+            owner._drop_held_grads(held)
 
 
 def install() -> None:

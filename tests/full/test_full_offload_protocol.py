@@ -913,3 +913,32 @@ def test_model_zero_grad_in_the_middle_of_a_window_discards_it_as_torch_does():
     h.ref_step(h.window)
     h.check()
 
+
+
+@pytest.mark.parametrize("gpu_state", [None, HALF_STATE])
+def test_module_zero_grad_between_windows_drops_the_zeroed_gradients_it_holds(gpu_state):
+    # After the optimizer's zero_grad(set_to_none=False) every parameter holds a zero gradient,
+    # which torch's step() steps; a module's zero_grad() (set_to_none=True) then drops its own,
+    # and torch's step() skips them. It used to leave them held: stepped once more, silently.
+    h = Harness(gpu_state=gpu_state)
+    h.train_normally(1)
+    names = set(h.init)
+    h.window = {}
+    h.backward()
+    h.opt.step()
+    h.ref_step(h.window)
+    h.opt.zero_grad(set_to_none=False)
+    h.model.l3.zero_grad()  # l3's gradients are dropped
+    h.model.l2.zero_grad(set_to_none=False)  # l2's stay held, as zeros
+    h.window = {}
+    h.opt.step()  # no backward: the parameters still holding a zero gradient are stepped
+    h.ref_step({}, zero_held={n for n in names if not n.startswith("l3.")})
+    h.check()
+    assert h.steps()["l3.weight"] == 2 and h.steps()["l1.weight"] == 3
+    h.opt.zero_grad(set_to_none=False)
+    h.model.l3.zero_grad()
+    h.window = {}
+    h.backward()  # a window that reaches every parameter holds them all again
+    h.opt.step()
+    h.ref_step(h.window)
+    h.check()
