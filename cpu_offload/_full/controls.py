@@ -55,8 +55,10 @@ class WindowControls:
         self._proto.window = value
 
     def scale_grads_(self, factor: float) -> None:
-        """Multiply every gradient of the window by ``factor`` (> 0), like
-        ``p.grad.mul_(factor)`` for every parameter in torch.
+        """Multiply every gradient of the window by ``factor`` (> 0): the window's whole sum,
+        like ``p.grad.mul_(factor)`` for every parameter after the window's last backward
+        in torch, whenever it is called (between two backward passes it scales the passes
+        still to come too, not only those so far).
 
         Before the window's last backward pass it costs nothing (the kernels
         scale as they step); after it, ``step()`` rolls the update back and
