@@ -170,11 +170,11 @@ def _speculation(saved_groups) -> tuple:
     if not isinstance(late, bool):
         raise ValueError(f"state_dict param_groups[...]['{LATE_HPARAMS_KEY}'] must be True or False, got {late!r}")
     limit = _saved_once(saved_groups, CLIP_LIMIT_KEY, None)
-    if limit is not None and (isinstance(limit, bool) or not isinstance(limit, (int, float))
-                              or not 0 <= limit < float("inf")):
-        raise ValueError(f"state_dict param_groups[...]['{CLIP_LIMIT_KEY}'] must be None or a finite number >= 0, "
+    if limit is not None and (isinstance(limit, bool) or not isinstance(limit, (int, float)) or not limit >= 0):
+        raise ValueError(f"state_dict param_groups[...]['{CLIP_LIMIT_KEY}'] must be None or a number >= 0, "
                          f"got {limit!r}")
-    return float(factor), late, None if limit is None else float(limit)
+    # NOTE: inf (no limit) was saved after a clip that only measured the norm
+    return float(factor), late, None if limit is None or math.isinf(limit) else float(limit)
 
 
 def _load_groups(opt, saved_groups) -> None:

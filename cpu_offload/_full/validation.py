@@ -135,7 +135,10 @@ class StepValidator:
                 f"the total norm of order {norm_type} of the gradients is non-finite ({total}), so they cannot be "
                 "clipped; with error_if_nonfinite=False this step would be skipped (skip_nonfinite) instead")
         self.grad_norm, self.clip_coef = total, clip_coefficient(max_norm, total)
-        self.clip_limit = max_norm if norm_type == 2.0 else None
+        # NOTE: a clip that cannot clip (max_norm inf: a framework that only logs the norm) leaves
+        # the limit the clips before it set
+        if math.isfinite(max_norm):
+            self.clip_limit = max_norm if norm_type == 2.0 else None
         if not math.isfinite(total):
             return total
         if in_place:

@@ -176,3 +176,48 @@ def test_trainer_stopped_in_the_middle_of_a_window_then_trained_again_drops_that
     assert all(not torch.equal(a.float(), s) for a, s in zip(at_step_end, start))  # it trained
     for a, b in zip(at_step_end, mid_window):
         assert torch.equal(a, b)
+
+
+def test_trainer_resumes_full_offload_bit_for_bit_with_its_clipping_off(tmp_path):
+    """The README's recipe for the optimizer's own clipping turns the Trainer's off
+    (max_grad_norm=0), and the Trainer then calls clip_grad_norm_(params, inf) every step to log
+    the norm. Its checkpoints could not be resumed (the inf was saved as the clipping limit and
+    refused on load). A run saved at step 3 and resumed from there ends where the run without
+    the stop ends, bit for bit: masters, moments and step counts."""
+    made = []
+
+    def make(model):
+        opt = cpu_offload.offload_optimizer(adamw(model.parameters()), offload="full", grad_accum_steps=2,
+                                            max_grad_norm=0.5)
+        made.append(opt)
+        return opt
+
+    def trainer(out, **args):
+        model = tiny_llama()
+        opt = make(model)
+        sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: min(1.0, (s + 1) / 4))
+        args = transformers.TrainingArguments(
+            output_dir=str(out), per_device_train_batch_size=2, gradient_accumulation_steps=2, num_train_epochs=1,
+            report_to="none", use_cpu=True, disable_tqdm=True, seed=7, dataloader_num_workers=0, max_grad_norm=0.0,
+            **args)
+        return transformers.Trainer(model=model, args=args, train_dataset=rows(22), optimizers=(opt, sched)), opt
+
+    def state(opt):
+        return {i: {k: v.clone() for k, v in e.items()} for i, e in opt.state_dict()["state"].items()}
+
+    try:
+        whole, opt = trainer(tmp_path / "whole", save_strategy="no")
+        whole.train()
+        want = state(opt)
+        stopped, _ = trainer(tmp_path / "stopped", save_strategy="steps", save_steps=3)
+        stopped.train()
+        resumed, opt = trainer(tmp_path / "stopped", save_strategy="no")
+        resumed.train(resume_from_checkpoint=str(tmp_path / "stopped" / "checkpoint-3"))
+        got = state(opt)
+        assert got.keys() == want.keys()
+        for i in want:
+            for key in want[i]:
+                assert torch.equal(got[i][key], want[i][key]), (i, key)
+    finally:
+        for opt in made:
+            opt.close()

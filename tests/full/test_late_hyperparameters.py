@@ -265,10 +265,10 @@ def test_the_clipping_limit_is_saved_checked_and_restored():
     assert {g["clip_limit"] for g in sd["param_groups"]} == {0.5}
     fresh = FullCPUOffloadOptimizer(build("adamw")[1], max_grad_norm=3.0, **SMALL)
     before = snapshot(fresh)
-    for bad in ("1", -1.0, math.inf, True):
+    for bad in ("1", -1.0, math.nan, True):
         for group in sd["param_groups"]:
             group["clip_limit"] = bad
-        with pytest.raises(ValueError, match=r"\['clip_limit'\] must be None or a finite number >= 0"):
+        with pytest.raises(ValueError, match=r"\['clip_limit'\] must be None or a number >= 0"):
             fresh.load_state_dict(sd)
         assert all(torch.equal(r.master, before[r.name][0]) for r in records_of(fresh))
     for group in sd["param_groups"]:
@@ -280,6 +280,38 @@ def test_the_clipping_limit_is_saved_checked_and_restored():
         del group["clip_limit"]
     fresh.load_state_dict(sd)
     assert fresh._validator.clip_limit is None
+    off.close()
+    fresh.close()
+
+
+@pytest.mark.parametrize("option", [None, 3.0])
+def test_a_clip_that_only_measures_the_norm_leaves_the_limit_and_the_checkpoint_loads(option):
+    """HF Trainer with max_grad_norm=0 calls clip_grad_norm_(params, inf) every step, to log the
+    norm. Its inf was kept as the clipping limit, saved, and refused by load_state_dict(): no
+    checkpoint of such a run could be resumed. A clip that cannot clip leaves the limit as the
+    clips before it set it (the optimizer's max_grad_norm), and an inf saved before loads as
+    no limit. The resume continues bit for bit."""
+    runs = []
+    for _ in range(2):
+        model, opt = build("adamw")
+        runs.append((model, FullCPUOffloadOptimizer(opt, max_grad_norm=option, **SMALL)))
+    (model, off), (fresh_model, fresh) = runs
+    train_step(model, off, 0, 1)
+    off.clip_grad_norm_(math.inf)
+    off.step()
+    sd = off.state_dict()
+    assert {g["clip_limit"] for g in sd["param_groups"]} == {option}
+    saved_inf = {"state": sd["state"], "param_groups": [dict(g, clip_limit=math.inf) for g in sd["param_groups"]]}
+    fresh.load_state_dict(saved_inf)  # as the earlier version saved it
+    assert {g["clip_limit"] for g in fresh.state_dict()["param_groups"]} == {None}
+    fresh.load_state_dict(sd)
+    for m, o in runs:
+        for s in (1, 2):
+            train_step(m, o, s, 1)
+            o.clip_grad_norm_(math.inf)
+            o.step()
+            o.zero_grad()
+    assert_same_state(snapshot(off), snapshot(fresh))
     off.close()
     fresh.close()
 
