@@ -45,15 +45,22 @@ def check_not_offloaded(optimizer) -> None:
                            f"{ends} before wrapping the optimizer again")
 
 
-def adopt_optimizer(wrapper: torch.optim.Optimizer, optimizer: torch.optim.Optimizer) -> None:
+def adopt_optimizer(wrapper: torch.optim.Optimizer, optimizer: torch.optim.Optimizer, *, shares_hooks: bool) -> None:
     """Share ``optimizer``'s groups and defaults with ``wrapper`` and set up its hooks;
-    ``wrapper`` drives ``optimizer`` until ``release_optimizer`` or its end."""
+    ``wrapper`` drives ``optimizer`` until ``release_optimizer`` or its end.
+
+    ``shares_hooks``: the wrapper never calls ``optimizer``'s step or state-dict methods
+    (full offload), so the hooks registered on either run once, around the wrapper's:
+    the two share their hook tables. Else each keeps its own, and ``optimizer``'s run
+    when the wrapper calls its methods."""
     _wrappers[optimizer] = weakref.ref(wrapper)
     wrapper.optimizer = wrapper._offloads = optimizer
     wrapper.defaults = optimizer.defaults
     wrapper.param_groups = optimizer.param_groups  # NOTE: the same list and dicts
     for name in _HOOK_TABLES:
-        setattr(wrapper, f"_optimizer_{name}_hooks", OrderedDict())
+        table = f"_optimizer_{name}_hooks"
+        # NOTE: the same dicts, so that a handle from either's register_*_hook removes the hook
+        setattr(wrapper, table, getattr(optimizer, table) if shares_hooks else OrderedDict())
     wrapper._patch_step_function()
 
 

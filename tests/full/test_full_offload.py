@@ -543,6 +543,31 @@ def test_state_dict_hooks_run_like_torch():
     assert calls == [("pre", True), ("post", True), ("load_pre", 1), ("load_post", True)]
 
 
+def test_hooks_registered_on_the_torch_optimizer_before_wrapping_run_once():
+    """Full offload never calls the torch optimizer's step() or state-dict methods, so the
+    hooks registered on it before wrapping never ran, without a word (the default mode runs
+    them). They run once, around the wrapper's, and a handle from either removes its hook."""
+    model, opt = build("adamw")
+    calls = []
+    opt.register_step_pre_hook(lambda o, args, kwargs: calls.append(("step_pre", o)))
+    post = opt.register_step_post_hook(lambda o, args, kwargs: calls.append(("step_post", o)))
+    opt.register_state_dict_post_hook(lambda o, sd: calls.append(("state_dict_post", o)))
+    opt.register_load_state_dict_post_hook(lambda o: calls.append(("load_state_dict_post", o)))
+    off = FullCPUOffloadOptimizer(opt, **SMALL)
+    model(torch.randn(2, 24, dtype=torch.bfloat16)).float().sum().backward()
+    off.step()
+    off.load_state_dict(off.state_dict())
+    assert calls == [("step_pre", off), ("step_post", off), ("state_dict_post", off), ("load_state_dict_post", off)]
+    post.remove()
+    extra = off.register_step_post_hook(lambda o, args, kwargs: calls.append(("wrapper_post", o)))
+    calls.clear()
+    model(torch.randn(2, 24, dtype=torch.bfloat16)).float().sum().backward()
+    off.step()
+    assert calls == [("step_pre", off), ("wrapper_post", off)]
+    extra.remove()
+    off.close()
+
+
 def test_step_blocked_counts_the_tail_after_backward(monkeypatch):
     model, opt = build("adamw")
     off = FullCPUOffloadOptimizer(opt, **SMALL)
