@@ -928,6 +928,13 @@ class FullCPUOffloadOptimizer(WindowControls, torch.optim.Optimizer):
         its first step). Assigning a key copies the values in, between steps (state_mapping.py)."""
         return self._state
 
+    @state.setter
+    def state(self, value) -> None:
+        raise TypeError("opt.state cannot be replaced under full offload: it is a view of the host state (masters, "
+                        "moments, step counts), fixed at construction. To reset a parameter's state, write its "
+                        "entry: opt.state[p]['exp_avg'].zero_(), opt.state[p]['exp_avg_sq'].zero_(), "
+                        "opt.state[p]['step'] = 0; or load a state_dict")
+
     def state_dict(self) -> dict:
         """torch's format plus the masters (checkpoint.py). In the middle of an accumulation
         window it is the state of the last step, as torch's (which saves no gradients either):

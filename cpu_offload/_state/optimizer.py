@@ -118,6 +118,14 @@ class StateOffloadOptimizer(torch.optim.Optimizer):
         self._staging.discard_prefetched()
         return self.optimizer.state
 
+    @state.setter
+    def state(self, value) -> None:
+        """Replace the wrapped optimizer's state (``opt.state = defaultdict(dict)`` resets it, as
+        in torch); the next step copies in what it holds."""
+        self._staging.wait()
+        self._staging.discard_prefetched()
+        self.optimizer.state = value
+
     def step(self, closure=None):
         """Copy in the state not yet on the device, run the wrapped optimizer's
         step, start the copies back to the host.

@@ -126,6 +126,29 @@ def test_assigning_an_entry_with_one_bad_key_changes_nothing(bad_key, bad, error
         opt.close()
 
 
+def test_replacing_the_state_is_refused_saying_how_to_reset_it():
+    """``opt.state = defaultdict(dict)`` (a reset in torch) raised AttributeError: "property
+    'state' ... has no setter". The host state is fixed at construction: a TypeError says how
+    to reset an entry, and that way works."""
+    from collections import defaultdict
+
+    model = nn.Linear(8, 4)
+    opt = _full(model.parameters())
+    try:
+        model(torch.randn(2, 8, dtype=torch.bfloat16)).float().sum().backward()
+        opt.step()
+        with pytest.raises(TypeError, match=r"opt.state cannot be replaced under full offload.*'step'\] = 0"):
+            opt.state = defaultdict(dict)
+        w = model.weight
+        opt.state[w]["exp_avg"].zero_()
+        opt.state[w]["exp_avg_sq"].zero_()
+        opt.state[w]["step"] = 0
+        sd = opt.state_dict()["state"][0]
+        assert int(sd["step"]) == 0 and not sd["exp_avg"].any() and not sd["exp_avg_sq"].any()
+    finally:
+        opt.close()
+
+
 def test_a_frozen_parameter_reads_as_no_state_like_torch():
     """``opt.state[p]`` of a frozen parameter of the groups raised KeyError; torch's AdamW
     gives an empty entry. Writing state to it is refused: full offload never steps it."""

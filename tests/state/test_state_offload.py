@@ -45,6 +45,28 @@ def test_equals_wrapped_optimizer_bitwise():
     assert wrapped.param_groups is wrapped.optimizer.param_groups
 
 
+def test_replacing_the_state_resets_it_as_in_torch():
+    """``opt.state = defaultdict(dict)`` (a reset, as torch allows) raised an AttributeError
+    (a property without a setter). It replaces the wrapped optimizer's state: the next steps
+    start from fresh moments, bit for bit as the plain optimizer's."""
+    from collections import defaultdict
+
+    m1, data = model_and_data()
+    m2, _ = model_and_data()
+    plain = torch.optim.AdamW(m1.parameters(), lr=1e-2, weight_decay=0.1)
+    wrapped = StateOffloadOptimizer(torch.optim.AdamW(m2.parameters(), lr=1e-2, weight_decay=0.1))
+    for model, opt in ((m1, plain), (m2, wrapped)):
+        train(model, opt, data[:3])
+        opt.state = defaultdict(dict)
+        assert len(opt.state) == 0
+        train(model, opt, data[3:])
+    for a, b in zip(m1.parameters(), m2.parameters()):
+        assert torch.equal(a, b)
+    for p1, p2 in zip(m1.parameters(), m2.parameters()):
+        assert int(wrapped.state[p2]["step"]) == int(plain.state[p1]["step"]) == 3
+        assert torch.equal(wrapped.state[p2]["exp_avg_sq"], plain.state[p1]["exp_avg_sq"])
+
+
 def closure_steps(model, opt, data):
     losses = []
     for x in data:
