@@ -36,6 +36,7 @@ from collections import OrderedDict
 from typing import Iterator, Optional, Sequence
 
 import torch
+from torch._subclasses.fake_tensor import FakeTensor
 
 from cpu_offload._common.checks import check_float32, check_int
 from cpu_offload import _C
@@ -159,16 +160,24 @@ _TRUE_MEMORY = torch._C.DisableTorchFunction
 
 
 def _memory_of(label, t, numel, itemsize):
-    """The data pointer of a dense CPU tensor, checked to lie inside its storage."""
+    """The data pointer of a dense CPU tensor, checked to be real memory inside its storage."""
+    # NOTE: a FakeTensor claims a CPU device and a storage, but its data_ptr() is 0 (with a
+    # deprecation warning, not an error): it is refused before its pointer is read, and any
+    # other non-empty tensor whose pointer is null is refused below.
+    if isinstance(t, FakeTensor):
+        raise ValueError(f"{label} has no memory of its own to update (a FakeTensor); pass a plain CPU tensor")
     try:
         ptr = _data_ptr(t)
         storage = _T.untyped_storage(t)
         begin, nbytes = storage.data_ptr(), storage.nbytes()
-    except RuntimeError as e:  # wrapper subclasses (DTensor, FakeTensor) have no storage of their own
+    except RuntimeError as e:  # wrapper subclasses (DTensor, functional tensors) have no storage of their own
         raise ValueError(f"{label} has no memory of its own to update ({e}); pass a plain CPU tensor") from None
     if numel and not begin <= ptr <= ptr + numel * itemsize <= begin + nbytes:
         raise ValueError(f"{label} does not fit in its storage ({nbytes} bytes); "
                          "was its storage resized under it?")
+    if numel and not ptr:
+        raise ValueError(f"{label} has no memory of its own to update (its data pointer is null); "
+                         "pass a plain CPU tensor")
     return ptr
 
 

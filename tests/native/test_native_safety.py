@@ -4,7 +4,8 @@
 # cannot start. Validation cache: tensors changed in place after a first call (resize_,
 # set_, .data =, t_, a storage resized under its tensor, a move to the GPU) are either
 # refused with an error naming the argument or updated correctly in their new memory, and
-# no other memory (the old storage, an unrelated canary) is written.
+# no other memory (the old storage, an unrelated canary) is written. Tensors without memory
+# of their own (fake, functional) are refused naming the argument, never written through.
 import subprocess
 import sys
 import textwrap
@@ -230,6 +231,76 @@ GPU_CASES = {
 }
 
 
+NO_MEMORY_PRELUDE = """
+import os, warnings, torch
+from cpu_offload import _C, kernels as k
+from torch._subclasses.fake_tensor import FakeTensorMode
+g = torch.Generator().manual_seed(int.from_bytes(os.urandom(4), "little"))
+H = dict(lr=1e-2, beta1=0.9, beta2=0.99, eps=1e-8, weight_decay=0.1)
+n = 1 + int(torch.randint(1000, (), generator=g))
+with FakeTensorMode():
+    fake, fake_steps, fake_empty = torch.zeros(n), torch.zeros(1, dtype=torch.int64), torch.zeros(0)
+
+def plain(scale=1.0):
+    return torch.randn(n, generator=g) * scale
+
+def expect(error, words, fn, *args, **kwargs):
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        try:
+            fn(*args, **kwargs)
+        except error as e:
+            assert all(w in str(e) for w in words), f"{e!r} lacks {words}"
+        else:
+            raise AssertionError(f"{fn.__name__} did not raise {error.__name__}")
+    assert not caught, [str(w.message) for w in caught]   # no deprecated access to a fake's pointer
+"""
+
+NO_MEMORY_CASES = {
+    "fake_tensor_in_every_role": """
+        p, grad = plain(), plain()
+        p0 = p.clone()
+        words = ["has no memory of its own", "FakeTensor"]
+        expect(ValueError, ["params[0]"] + words, k.sign_sgd_step, [fake], [grad], lr=0.1, weight_decay=0.0)
+        expect(ValueError, ["grads[0]"] + words, k.sign_sgd_step, [p], [fake], lr=0.1, weight_decay=0.0)
+        expect(ValueError, ["compute_params[0]"] + words, k.sign_sgd_step, [p], [grad], lr=0.1,
+               weight_decay=0.0, compute_params=[fake])
+        expect(ValueError, ["accumulators[0]"] + words, k.accumulate_, [fake], [grad], add=True)
+        expect(ValueError, ["params[0]"] + words, k.sign_sgd_step, [fake_empty], [torch.zeros(0)], lr=0.1,
+               weight_decay=0.0)
+        m, v = plain(0.1), plain(0.01).abs()
+        expect(ValueError, ["exp_avg_sqs[0]"] + words, k.adamw_step, [p], [grad], [m], [fake],
+               torch.zeros(1, dtype=torch.int64), **H)
+        expect(ValueError, ["steps"] + words, k.adamw_step, [p], [grad], [m], [v], fake_steps, **H)
+        assert torch.equal(p, p0), "a refused call changed params"
+    """,
+    "fake_params_and_grads_are_not_called_overlapping": """
+        with FakeTensorMode():
+            other = torch.ones(n)
+        try:
+            k.sign_sgd_step([fake], [other], lr=0.1, weight_decay=0.0)
+        except ValueError as e:
+            assert "params[0] has no memory of its own" in str(e) and "overlap" not in str(e), e
+        else:
+            raise AssertionError("the call did not raise ValueError")
+    """,
+    "fake_tensor_after_a_cached_call": """
+        p, grad = plain(), plain()
+        k.sign_sgd_step([p], [grad], lr=0.1, weight_decay=0.0)
+        k.sign_sgd_step([p], [grad], lr=0.1, weight_decay=0.0)   # served from the cache
+        expect(ValueError, ["grads[0] has no memory of its own"], k.sign_sgd_step, [p], [fake], lr=0.1,
+               weight_decay=0.0)
+    """,
+    "functional_tensor": """
+        wrapped = torch._to_functional_tensor(plain())
+        expect(ValueError, ["grads[0] has no memory of its own"], k.sign_sgd_step, [plain()], [wrapped], lr=0.1,
+               weight_decay=0.0)
+        expect(ValueError, ["params[0] has no memory of its own"], k.sign_sgd_step, [wrapped], [plain()], lr=0.1,
+               weight_decay=0.0)
+    """,
+}
+
+
 def _run(prelude, body):
     code = textwrap.dedent(prelude) + textwrap.dedent(body) + "\nprint('survived')\n"
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=180)
@@ -257,3 +328,8 @@ def test_cache_never_uses_stale_memory(case):
 @pytest.mark.parametrize("case", list(GPU_CASES))
 def test_cache_sees_a_device_change(case):
     _run(CACHE_PRELUDE, _cache_case(GPU_CASES[case]))
+
+
+@pytest.mark.parametrize("case", list(NO_MEMORY_CASES))
+def test_tensors_without_memory_are_refused(case):
+    _run(NO_MEMORY_PRELUDE, NO_MEMORY_CASES[case])
