@@ -155,6 +155,7 @@ _T = torch.Tensor
 _data_ptr, _numel, _is_contiguous = _T.data_ptr, _T.numel, _T.is_contiguous
 _is_neg, _is_conj = _T.is_neg, _T.is_conj
 _dtype, _is_cpu, _layout, _shape = _T.dtype.__get__, _T.is_cpu.__get__, _T.layout.__get__, _T.shape.__get__
+_is_nested = _T.is_nested.__get__
 _ACCESSORS = (_T.data_ptr, torch._C.TensorBase.nbytes, _T.is_contiguous)  # for TensorBatch.unchanged
 _TRUE_MEMORY = torch._C.DisableTorchFunction
 
@@ -197,6 +198,8 @@ def _check_list(name, tensors, count, dtypes, like=None):
             raise TypeError(f"{name}[{i}] must be a torch.Tensor, got {type(t).__name__}")
         if not _is_cpu(t) or _layout(t) != torch.strided:
             raise ValueError(f"{name}[{i}] is a {t.device.type} {_layout(t)} tensor; the kernels need dense CPU tensors")
+        if _is_nested(t):  # NOTE: a nested tensor of layout torch.strided, which has no sizes to check
+            raise ValueError(f"{name}[{i}] is a nested tensor; the kernels need dense CPU tensors")
         d = _dtype(t)
         if d not in dtypes:
             allowed = " or ".join(str(x) for x in dtypes)
@@ -341,6 +344,8 @@ def _steps_ptr(steps, count):
     """data_ptr of a valid steps tensor with `count` entries (call with _TRUE_MEMORY entered)."""
     if not isinstance(steps, torch.Tensor):
         raise TypeError(f"steps must be a torch.Tensor of int64 step counts, got {type(steps).__name__}")
+    if _is_nested(steps):
+        raise ValueError("steps must be a contiguous 1-D int64 CPU tensor, got a nested tensor")
     if (_dtype(steps) != torch.int64 or not _is_cpu(steps) or _layout(steps) != torch.strided
             or _T.dim(steps) != 1 or not _is_contiguous(steps)):
         raise ValueError(

@@ -415,6 +415,31 @@ def test_lazily_negated_views_are_refused():
     assert acc.item() == -2.0
 
 
+
+@pytest.mark.filterwarnings("ignore:The PyTorch API of nested tensors")
+def test_nested_tensors_are_refused():
+    """A strided nested tensor is a CPU tensor of layout torch.strided whose sizes torch cannot
+    give: it is refused naming the argument, before torch's internal error."""
+    g = gen(int.from_bytes(os.urandom(4), "little"))
+    n = 1 + int(torch.randint(100, (), generator=g))
+    nested = torch.nested.nested_tensor([torch.randn(n, generator=g), torch.randn(n + 1, generator=g)])
+    p, grad = torch.randn(2 * n + 1, generator=g), torch.randn(2 * n + 1, generator=g)
+    p0 = p.clone()
+    for name, call in [
+        ("params", lambda: kernels.sign_sgd_step([nested], [nested.clone()], lr=0.1, weight_decay=0.0)),
+        ("grads", lambda: kernels.sign_sgd_step([p], [nested], lr=0.1, weight_decay=0.0)),
+        ("compute_params", lambda: kernels.sign_sgd_step([p], [grad], lr=0.1, weight_decay=0.0,
+                                                         compute_params=[nested])),
+        ("accumulators", lambda: kernels.accumulate_([nested], [grad], add=True)),
+    ]:
+        with pytest.raises(ValueError, match=rf"{name}\[0\] is a nested tensor; the kernels need dense CPU tensors"):
+            call()
+    steps = torch.nested.nested_tensor([torch.zeros(1, dtype=torch.int64)])
+    with pytest.raises(ValueError, match=r"steps must be a contiguous 1-D int64 CPU tensor, got a nested tensor"):
+        kernels.adamw_step([p], [grad], [torch.zeros_like(p)], [torch.zeros_like(p)], steps, lr=0.1, beta1=0.9,
+                           beta2=0.99, eps=1e-8, weight_decay=0.0)
+    assert torch.equal(p, p0)
+
 def test_shapes_must_match_params_not_only_element_counts():
     seed = int.from_bytes(os.urandom(4), "little")
     args = _random_adamw_args([(17, 59)], seed, grad_shapes=[(1003,)])
