@@ -10,19 +10,21 @@ cached by the identity of their tensor objects, because the full checks (and the
 check) cost more than the kernel for many small tensors; a cached entry is used only after
 native code has checked, on this call, that every tensor still has the data pointer, byte
 count and contiguity it was validated with: those fix the bytes a kernel touches as the
-tensor's own live memory. After ``resize_``, ``set_``, ``.data = ...`` or an in-place view
-op, the call validates from scratch: it raises an error naming the argument (e.g. a size
-mismatch) or works on the tensor's new memory. Two changes a hit does not see: a dtype
-changed in place to another of the same byte count (``t.data = t.view(torch.int32)``): the
-kernel then reads the tensor's bytes as the dtype it was validated with; and a shape changed in
-place to another of the same element count (``t.resize_(m, n)``): the kernels work on flat
-memory, so that call works as on flat views. The accessors are
-torch.Tensor's own, called with __torch_function__ off, so a subclass or a mode cannot
-misreport a tensor's memory, and the lists are snapshotted, so their tensors live until the
-kernel returns. Outside the guarantee, as for torch's own ops: changing a tensor from another
-thread while a call on it runs, and a storage shrunk under a live tensor
-(``untyped_storage().resize_``) and reallocated at its old address. The cache holds weak
-references only; ``clear_cache()`` is never needed for correctness.
+tensor's own live memory. The negation bit is checked on every call as well, because
+``t.data = t._neg_view()`` keeps all three while t's values stop being its memory's. After
+``resize_``, ``set_``, ``.data = ...`` or an in-place view op, the call validates from
+scratch: it raises an error naming the argument (e.g. a size mismatch, a negated view) or
+works on the tensor's new memory. Two changes a hit does not see: a dtype changed in place
+to another of the same byte count (``t.data = t.view(torch.int32)``): the kernel then reads
+the tensor's bytes as the dtype it was validated with; and a shape changed in place to
+another of the same element count (``t.resize_(m, n)``): the kernels work on flat memory,
+so that call works as on flat views. The accessors are torch.Tensor's own, called with
+__torch_function__ off, so a subclass or a mode cannot misreport a tensor's memory, and the
+lists are snapshotted, so their tensors live until the kernel returns. Outside the
+guarantee, as for torch's own ops: changing a tensor from another thread while a call on it
+runs, and a storage shrunk under a live tensor (``untyped_storage().resize_``) and
+reallocated at its old address. The cache holds weak references only; ``clear_cache()`` is
+never needed for correctness.
 """
 from __future__ import annotations
 
@@ -33,6 +35,7 @@ import os
 import threading
 import weakref
 from collections import OrderedDict
+from itertools import chain
 from typing import Iterator, Optional, Sequence
 
 import torch
@@ -210,8 +213,8 @@ def _check_list(name, tensors, count, dtypes, like=None):
         if not _is_contiguous(t):
             raise ValueError(f"{name}[{i}] is not contiguous")
         # NOTE: a lazily negated (or conjugated) view's memory holds the values of its base;
-        # the kernels read memory, so they would see the wrong sign. The bit never changes in
-        # place, so a cache hit need not check it again.
+        # the kernels read memory, so they would see the wrong sign. ``.data =`` can set the
+        # negation bit in place, so a cache hit checks it again (_prepared).
         if _is_neg(t) or _is_conj(t):
             what, fix = ("negated view (is_neg())", "resolve_neg") if _is_neg(t) else \
                 ("conjugated view (is_conj())", "resolve_conj")
@@ -271,7 +274,10 @@ def _prepared(kind: str, named_lists, dtypes_by_name):
     key = (kind, tuple(n for n, _ in present), _C.identity_key(lists=lists))
     with _cache_lock:
         entry = _cache.get(key)
-    if entry is not None and entry.batch.unchanged(lists=lists, accessors=_ACCESSORS):
+    # NOTE: is_neg() on a hit as well (about 0.1 us a tensor): ``t.data = t._neg_view()`` keeps
+    # what unchanged() compares. A float32 or bfloat16 tensor cannot carry the conjugation bit.
+    if (entry is not None and entry.batch.unchanged(lists=lists, accessors=_ACCESSORS)
+            and not any(map(_is_neg, chain.from_iterable(lists)))):
         with _cache_lock:
             if key in _cache:
                 _cache.move_to_end(key)

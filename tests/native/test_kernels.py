@@ -557,6 +557,35 @@ def test_cache_hit_follows_tensors_changed_in_place(change, split_everything):
         assert torch.equal(old_p, old_p_copy) and torch.equal(old_acc, old_acc_copy)
 
 
+@pytest.mark.parametrize("role", ["params", "grads", "accumulators"])
+def test_cache_hit_sees_a_negation_bit_set_in_place(role):
+    """``t.data = t._neg_view()`` keeps the data pointer, byte count and contiguity the cache
+    checks, but t now reads as -memory: the next call is refused as for any negated view."""
+    g = gen(int.from_bytes(os.urandom(4), "little"))
+    n = 1 + int(torch.randint(5000, (), generator=g))
+    params, grads = [torch.randn(n, generator=g) for _ in range(2)], [torch.randn(n, generator=g) for _ in range(2)]
+    accs = [torch.randn(n, generator=g) for _ in range(2)]
+    for _ in range(2):   # validated, then served from the cache
+        kernels.sign_sgd_step(params, grads, lr=0.1, weight_decay=0.0)
+        kernels.accumulate_(accs, grads, add=True)
+    t = {"params": params, "grads": grads, "accumulators": accs}[role][1]
+    ptr = t.data_ptr()
+    t.data = t._neg_view()
+    assert t.is_neg() and t.data_ptr() == ptr and t.is_contiguous()
+    before = [x.clone() for x in params + grads + accs]
+    if role != "accumulators":
+        with pytest.raises(ValueError, match=rf"{role}\[1\] is a lazily negated view"):
+            kernels.sign_sgd_step(params, grads, lr=0.1, weight_decay=0.0)
+    if role != "params":
+        with pytest.raises(ValueError, match=rf"{role}\[1\] is a lazily negated view"):
+            kernels.accumulate_(accs, grads, add=True)
+    assert all(torch.equal(x, y) for x, y in zip(params + grads + accs, before))
+    t.data = t.resolve_neg()   # its values in its memory: cached again, and stepped from them
+    want_p, want_acc = [p - 0.1 * torch.sign(gr) for p, gr in zip(params, grads)], [a + gr for a, gr in zip(accs, grads)]
+    kernels.sign_sgd_step(params, grads, lr=0.1, weight_decay=0.0)
+    kernels.accumulate_(accs, grads, add=True)
+    assert all(torch.equal(x, y) for x, y in zip(params + accs, want_p + want_acc))
+
 def test_isa_override_env(tmp_path):
     code = "import cpu_offload.kernels as k; print(k.isa())"
     env = dict(os.environ, CPU_OFFLOAD_ISA="scalar")
