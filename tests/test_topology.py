@@ -206,6 +206,42 @@ def test_missing_node_directory(tmp_path):
     assert os.path.join(root, "devices", "system", "node", "node1", "cpulist") in str(err.value)
 
 
+
+def test_sysfs_root_that_is_a_file_is_refused_by_name(tmp_path, capsys, monkeypatch):
+    not_a_dir = tmp_path / "passwd"
+    not_a_dir.write_text("root:x:0:0::/root:/bin/sh\n")
+    for kw in (dict(pci_addresses=[]), dict(pci_addresses=[PCI[0]]),
+               dict(pci_addresses=[PCI[0]], require_topology=True)):
+        with pytest.raises(ValueError, match=rf"sysfs_root {str(not_a_dir)!r} is not a directory"):
+            plan_all(local_world_size=1, sysfs_root=str(not_a_dir), allowed_cpus=range(4), **kw)
+    monkeypatch.setattr(topology, "gpu_pci_addresses", lambda: [])
+    monkeypatch.delenv("LOCAL_WORLD_SIZE", raising=False)
+    assert topology_cli.main(["--sysfs-root", str(not_a_dir)]) == 1
+    assert f"error: sysfs_root {str(not_a_dir)!r} is not a directory" in capsys.readouterr().err
+    # A file further down a directory root is a missing path, as documented for those.
+    root = make_sysfs(tmp_path / "sys", {0: "0-3"})
+    (tmp_path / "sys" / "bus").write_text("")
+    path = os.path.join(root, "bus", "pci", "devices", PCI[0], "numa_node")
+    with pytest.raises(FileNotFoundError, match=f"{path} does not exist"):
+        plan_all(local_world_size=1, pci_addresses=[PCI[0]], sysfs_root=root, allowed_cpus=range(4),
+                 require_topology=True)
+    (plan,) = plan_all(local_world_size=1, pci_addresses=[PCI[0]], sysfs_root=root, allowed_cpus=range(4))
+    assert plan.numa_node is None and plan.cpus == (0, 1, 2, 3)
+
+
+def test_full_offload_refuses_a_sysfs_root_that_is_a_file(tmp_path):
+    not_a_dir = tmp_path / "passwd"
+    not_a_dir.write_text("")
+    out = run_python(f"""
+        import torch, cpu_offload
+        opt = torch.optim.AdamW(torch.nn.Linear(3, 3).parameters())
+        try:
+            cpu_offload.offload_optimizer(opt, offload="full", sysfs_root={str(not_a_dir)!r})
+        except ValueError as e:
+            print(e)
+    """)
+    assert f"sysfs_root {str(not_a_dir)!r} is not a directory" in out
+
 def test_unknown_pci_address_is_an_error_only_when_required(tmp_path):
     root = make_sysfs(tmp_path, {0: "0-3"})
     with pytest.raises(RuntimeError, match="PCI address of GPU 0"):

@@ -134,7 +134,7 @@ def _read(path: str) -> str | None:
     try:
         with open(path) as f:
             return f.read()
-    except FileNotFoundError:
+    except (FileNotFoundError, NotADirectoryError):  # NOTE: a path through a file is missing too
         return None
 
 
@@ -228,7 +228,8 @@ def plan_all(
     Args:
         local_world_size: ranks on this host; default LOCAL_WORLD_SIZE (or 1).
         pci_addresses: PCI address per visible GPU; default :func:`gpu_pci_addresses`.
-        sysfs_root: where sysfs is mounted (a fake tree in tests).
+        sysfs_root: where sysfs is mounted (a fake tree in tests). A file there raises
+            ValueError; under a root that does not exist every sysfs file is missing.
         allowed_cpus: CPUs the ranks may use; default ``os.sched_getaffinity(0)``.
         require_topology: raise FileNotFoundError naming the path when a sysfs file is
             missing (full offload), instead of warning and binding without NUMA.
@@ -237,6 +238,9 @@ def plan_all(
         local_world_size = local_rank_info()[1]
     if local_world_size < 1:
         raise ValueError(f"local_world_size must be >= 1, got {local_world_size}")
+    if os.path.exists(sysfs_root) and not os.path.isdir(sysfs_root):
+        raise ValueError(f"sysfs_root {os.fspath(sysfs_root)!r} is not a directory; pass where sysfs "
+                         "is mounted (/sys)")
     # NOTE: every rank must compute the same split without talking to the others, so the
     # inputs must be the same on every rank: plan before bind() narrows the affinity.
     allowed = set(os.sched_getaffinity(0) if allowed_cpus is None else allowed_cpus)
