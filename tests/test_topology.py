@@ -291,6 +291,25 @@ def test_more_ranks_than_cpus_is_an_error(tmp_path):
         plan_all(local_world_size=1, pci_addresses=[], allowed_cpus=set())
 
 
+
+def test_far_more_ranks_than_cpus_is_refused_before_any_per_rank_work(tmp_path, capsys, monkeypatch):
+    # NOTE: 2**62 ranks: a list with one entry per rank cannot even be asked for, so this
+    # fails with MemoryError or OverflowError unless the CPU count is checked first.
+    huge = 2 ** 62
+    root = make_sysfs(tmp_path, {0: "0-3"}, {PCI[0]: 0, PCI[1]: 0})
+    for kw in (dict(pci_addresses=[]), dict(pci_addresses=PCI[:2], sysfs_root=root),
+               dict(pci_addresses=PCI[:2], sysfs_root=root, require_topology=True)):
+        with pytest.raises(ValueError, match=rf"{huge} local ranks but only 4 CPUs .*empty CPU set"):
+            plan_all(local_world_size=huge, allowed_cpus=range(4), **kw)
+    monkeypatch.setenv("LOCAL_RANK", "0")
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", str(huge))
+    with pytest.raises(ValueError, match=rf"{huge} local ranks but only 4 CPUs"):
+        plan_for_rank(pci_addresses=[], allowed_cpus=range(4))
+    monkeypatch.setattr(topology, "gpu_pci_addresses", lambda: [])
+    monkeypatch.setattr(topology.os, "sched_getaffinity", lambda pid: set(range(4)))
+    assert topology_cli.main(["--local-world-size", str(huge)]) == 1
+    assert f"{huge} local ranks but only 4 CPUs" in capsys.readouterr().err
+
 def test_cpu_only_host_budgets_threads_without_numa():
     plans = plan_all(local_world_size=2, pci_addresses=[], allowed_cpus=range(8))
     assert [(p.gpu, p.pci_address, p.numa_node) for p in plans] == [(None, None, None)] * 2

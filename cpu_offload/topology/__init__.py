@@ -246,6 +246,14 @@ def plan_all(
     allowed = set(os.sched_getaffinity(0) if allowed_cpus is None else allowed_cpus)
     if not allowed:
         raise ValueError("allowed_cpus is empty: no CPU to run the optimizer on")
+    # NOTE: before anything per rank: a mistyped LOCAL_WORLD_SIZE (1e9) must not build lists
+    # of that length first. The pools below refuse the same per NUMA node.
+    if local_world_size > len(allowed):
+        raise ValueError(
+            f"{local_world_size} local ranks but only {len(allowed)} CPUs are allowed "
+            f"({format_cpulist(allowed)}): a rank would get an empty CPU set; use fewer ranks per "
+            "host or widen the CPU affinity"
+        )
     addresses = list(gpu_pci_addresses() if pci_addresses is None else pci_addresses)
 
     gpus: list[int | None]
