@@ -13,10 +13,12 @@ __all__ = ["check_output_paths", "check_at_least"]
 
 
 def check_output_paths(parser: argparse.ArgumentParser, *options: tuple) -> None:
-    """``parser.error()`` (exit 2) for the first ``(option, path)`` whose path is given and
-    whose directory does not exist. NOTE: called before the run, which a bad path would
-    otherwise lose at its end."""
+    """``parser.error()`` (exit 2) for the first ``(option, path)`` whose path is given and is
+    a directory, or whose directory does not exist. NOTE: called before the run, which a bad
+    path would otherwise lose at its end."""
     for option, path in options:
+        if path and os.path.isdir(path):
+            parser.error(f"{option} {path}: is a directory; name the file to write")
         if path and not os.path.isdir(os.path.dirname(os.path.abspath(path))):
             parser.error(f"{option} {path}: its directory does not exist")
 

@@ -1,5 +1,6 @@
 # The benchmark scripts that time kernels stop at a bad argument with a usage error naming it,
-# before any run (a missing --json directory used to fail after the whole run, losing it).
+# before any run (a missing --json directory, or a --json that is a directory, used to fail
+# after the whole run, losing it).
 import pytest
 from helpers import load_benchmark
 
@@ -13,15 +14,27 @@ BAD = {
 }
 
 
-@pytest.mark.parametrize("script,argv", [(script, argv) for script, cases in BAD.items() for argv in cases])
-def test_bad_arguments_stop_before_any_run(script, argv, capsys, monkeypatch):
+def _stops_before_any_run(script, argv, capsys, monkeypatch):
     bench = load_benchmark(script, script.removesuffix(".py") + "_arguments")
     threads = kernels.get_num_threads()
     monkeypatch.setattr(bench, "rows_for", lambda *a, **k: pytest.fail("the run started"), raising=False)
     with pytest.raises(SystemExit) as exit_:
         bench.main(argv)
-    assert exit_.value.code == 2 and argv[0] in capsys.readouterr().err.split("error:", 1)[1]
+    err = capsys.readouterr().err
+    assert exit_.value.code == 2 and argv[0] in err.split("error:", 1)[1]
     assert kernels.get_num_threads() == threads
+    return err
+
+
+@pytest.mark.parametrize("script,argv", [(script, argv) for script, cases in BAD.items() for argv in cases])
+def test_bad_arguments_stop_before_any_run(script, argv, capsys, monkeypatch):
+    _stops_before_any_run(script, argv, capsys, monkeypatch)
+
+
+@pytest.mark.parametrize("script", list(BAD))
+def test_a_json_path_that_is_a_directory_stops_before_any_run(script, tmp_path, capsys, monkeypatch):
+    err = _stops_before_any_run(script, ["--json", str(tmp_path)], capsys, monkeypatch)
+    assert f"--json {tmp_path}: is a directory" in err
 
 
 def test_the_device_step_benchmark_without_cuda_says_so(capsys, monkeypatch):

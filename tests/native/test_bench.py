@@ -64,6 +64,13 @@ def test_bench_rejects_bad_options(argv):
     assert e.value.code == 2
 
 
+
+def test_bench_refuses_a_json_path_that_is_a_directory_before_the_run(tmp_path, monkeypatch, capsys):
+    monkeypatch.setattr(bench, "check_against_reference", lambda isa: pytest.fail("the run started"))
+    with pytest.raises(SystemExit) as e:
+        bench.main(["--numel", "4099", "--repeats", "1", "--isa", "scalar", "--json", str(tmp_path)])
+    assert e.value.code == 2 and f"--json {tmp_path}: is a directory" in capsys.readouterr().err
+
 def test_deepspeed_row_only_when_asked_for(monkeypatch, capsys):
     import importlib.util
 
