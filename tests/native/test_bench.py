@@ -71,6 +71,20 @@ def test_bench_refuses_a_json_path_that_is_a_directory_before_the_run(tmp_path, 
         bench.main(["--numel", "4099", "--repeats", "1", "--isa", "scalar", "--json", str(tmp_path)])
     assert e.value.code == 2 and f"--json {tmp_path}: is a directory" in capsys.readouterr().err
 
+
+def test_verdict_names_the_isa_it_reports_when_isa_leaves_out_the_dispatched_one(capsys):
+    dispatched = kernels.isa()
+    others = [isa for isa in kernels.available_isas() if isa != dispatched]
+    if not others:
+        pytest.skip(f"this CPU runs only {dispatched}: no other ISA to time")
+    argv = ["--numel", "4099", "--repeats", "1"]
+    for isa in reversed(others[-2:]):   # the widest last given first
+        argv += ["--isa", isa]
+    assert bench.main(argv) == 0
+    last = capsys.readouterr().out.strip().splitlines()[-1]
+    assert f"{others[-1]} (the widest ISA timed; dispatch picks {dispatched}) runs adamw bf16 grads->bf16" in last
+    assert "(the ISA dispatch picks)" not in last
+
 def test_deepspeed_row_only_when_asked_for(monkeypatch, capsys):
     import importlib.util
 
