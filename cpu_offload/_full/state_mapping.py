@@ -85,7 +85,23 @@ def host_value(value, where: str, rec: ParamRecord) -> torch.Tensor:
         raise ValueError(f"{where} ({rec.name}) has local shape {tuple(local.shape)}, expected {tuple(rec.shape)}")
     if not local.is_floating_point():
         raise TypeError(f"{where} ({rec.name}) has dtype {local.dtype}, expected a floating-point tensor")
+    if not _holds_values(local):
+        raise ValueError(f"{where} ({rec.name}) holds no values to copy (a meta or fake tensor, or one without "
+                         "storage of its own): load the state's real values")
     return local.detach().reshape(-1)
+
+
+def _holds_values(t: torch.Tensor) -> bool:
+    """Whether ``t``'s values are in memory that a copy can read.
+
+    NOTE: a meta tensor's storage and a fake tensor's (torch.compile, FakeTensorMode: it
+    reports a real device) are on the meta device; a wrapper subclass may have none. Checked
+    before anything is written: their copy fails only once the entries before them are.
+    """
+    try:
+        return torch.Tensor.untyped_storage(t).device.type != "meta"
+    except (RuntimeError, NotImplementedError):
+        return False
 
 
 # NOTE: the kernels keep step counts as int64 and add 1 before each step (the bias

@@ -9,6 +9,7 @@ import warnings
 import pytest
 import torch
 import torch.nn as nn
+from torch._subclasses.fake_tensor import FakeTensorMode
 
 import cpu_offload._full.chunk_runner as runner_mod
 from cpu_offload._full.optimizer import FullCPUOffloadOptimizer
@@ -478,8 +479,11 @@ def test_load_state_dict_is_atomic_and_names_the_entry():
     model, off, _, _ = run("adamw", 1, 2, **SMALL)
     good = copy.deepcopy(off.state_dict())
     before = copy.deepcopy(off.state_dict())
+    weights = {n: p.detach().clone() for n, p in model.named_parameters()}
     last = max(good["state"])
     rec = next(r for r in records_of(off) if r.index == last)
+    with FakeTensorMode():
+        fake = torch.zeros(rec.shape)
     bad_cases = [
         (lambda e: e.pop("step"), ValueError, "has no 'step'"),
         (lambda e: e.pop("exp_avg_sq"), ValueError, "has no 'exp_avg_sq'"),
@@ -487,6 +491,9 @@ def test_load_state_dict_is_atomic_and_names_the_entry():
         (lambda e: e.__setitem__("master", torch.zeros(3, rec.numel)), ValueError, "local shape"),
         (lambda e: e.__setitem__("step", torch.tensor(-1.0)), ValueError, "non-negative whole number"),
         (lambda e: e.__setitem__("exp_avg", [0.0]), TypeError, "must be a tensor"),
+        # NOTE: tensors without values passed the checks; the copy then failed after earlier entries were written
+        (lambda e: e.__setitem__("exp_avg_sq", torch.zeros(rec.shape, device="meta")), ValueError, "holds no values"),
+        (lambda e: e.__setitem__("exp_avg", fake), ValueError, "holds no values"),
     ]
     for corrupt, exc, match in bad_cases:
         sd = copy.deepcopy(good)
@@ -499,6 +506,7 @@ def test_load_state_dict_is_atomic_and_names_the_entry():
         now = off.state_dict()
         for i, entry in before["state"].items():
             assert all(torch.equal(entry[k], now["state"][i][k]) for k in entry), i
+        assert all(torch.equal(p.detach(), weights[n]) for n, p in model.named_parameters())
 
 
 def test_plain_adamw_checkpoint_takes_masters_from_current_weights():

@@ -100,7 +100,9 @@ def test_a_step_count_out_of_range_is_refused_naming_the_entry_and_changes_nothi
 
 
 @pytest.mark.parametrize("bad_key,bad,error", [("exp_avg_sq", torch.ones(3), ValueError),
-                                               ("step", float("nan"), ValueError), ("master", [0.0], TypeError)])
+                                               ("step", float("nan"), ValueError), ("master", [0.0], TypeError),
+                                               ("exp_avg_sq", torch.zeros(2, 4, device="meta"), ValueError),
+                                               ("master", torch.zeros(2, 4, device="meta"), ValueError)])
 def test_assigning_an_entry_with_one_bad_key_changes_nothing(bad_key, bad, error):
     """``opt.state[p] = {...}`` wrote key by key: a bad later key raised, but the keys before it
     were already written. Every key is checked first now, as load_state_dict does."""
