@@ -41,7 +41,7 @@ from typing import Iterator, Optional, Sequence
 import torch
 from torch._subclasses.fake_tensor import FakeTensor
 
-from cpu_offload._common.checks import check_float32, check_int
+from cpu_offload._common.checks import check_float32, check_int, item_of
 from cpu_offload import _C
 from cpu_offload._common.cpulist import format_cpulist
 
@@ -312,14 +312,7 @@ def _check_scalar(name, value, *, low=None, high=None, high_open=False):
     the kernels derive from several values (1 - lr*weight_decay, the bias-corrected step
     size) are checked by the native code, which raises ValueError naming the values.
     """
-    if isinstance(value, torch.Tensor):
-        if value.numel() != 1:
-            raise ValueError(f"{name} must be a number or a one-element tensor")
-        try:
-            value = value.item()
-        except (RuntimeError, NotImplementedError) as e:  # a meta or fake tensor holds no value
-            raise ValueError(f"{name}: cannot read the value of this {value.device.type} tensor ({e}); "
-                             "pass a number or a CPU tensor") from None
+    value = item_of(name, value)
     if isinstance(value, bool) or not isinstance(value, numbers.Real):
         raise TypeError(f"{name} must be a number, got {type(value).__name__}")
     try:

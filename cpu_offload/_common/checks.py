@@ -2,15 +2,17 @@
 #
 # Scope: whole-number options (an int, never a bool, at least some bound; None where the
 # option has a default meaning); hyper-parameters and the constants derived from them that
-# the kernels narrow to float32. Non-goals: checks of one entry point only (they stay
-# beside it).
+# the kernels narrow to float32; the number a one-element tensor holds. Non-goals: checks of
+# one entry point only (they stay beside it).
 
 from __future__ import annotations
 
 import struct
 from typing import Optional
 
-__all__ = ["check_int", "check_float32"]
+import torch
+
+__all__ = ["check_int", "check_float32", "item_of"]
 
 FLOAT32_MAX = 3.4028234663852886e38
 
@@ -41,3 +43,20 @@ def check_float32(name: str, value: float, derived: str = "") -> None:
         subject = f"{name} gives {derived} = {value:g}" if derived else f"{name} is {value:g}"
         raise ValueError(f"{subject}, which overflows float32 (largest finite {FLOAT32_MAX:.4g}): "
                          "the kernels compute in float32") from None
+
+
+def item_of(name: str, value):
+    """``value``, or the Python number a one-element tensor ``value`` holds.
+
+    Raise ValueError naming ``name`` for a tensor of another size, or one whose value
+    cannot be read (a meta or fake tensor).
+    """
+    if not isinstance(value, torch.Tensor):
+        return value
+    if value.numel() != 1:
+        raise ValueError(f"{name} must be a number or a one-element tensor")
+    try:
+        return value.item()
+    except (RuntimeError, NotImplementedError) as e:  # a meta or fake tensor holds no value
+        raise ValueError(f"{name}: cannot read the value of this {value.device.type} tensor ({e}); "
+                         "pass a number or a CPU tensor") from None

@@ -15,9 +15,12 @@ from __future__ import annotations
 import copy
 import math
 import warnings
+from collections.abc import Mapping
+from typing import Optional
 
 import torch
 
+from cpu_offload._common.checks import item_of
 from cpu_offload._full.host_state import write_compute_copies
 from cpu_offload._full.options import read_hparams
 from cpu_offload._full.state_mapping import HOST_STATE_KEPT, MASTER_STEP, host_value, saved_entry, step_value
@@ -71,8 +74,8 @@ def _validate_groups(opt, saved_groups) -> None:
     if len(saved_groups) != len(opt.param_groups):
         raise ValueError(f"state_dict has {len(saved_groups)} param groups, the optimizer has {len(opt.param_groups)}")
     for g, (saved, group) in enumerate(zip(saved_groups, opt.param_groups)):
-        if not isinstance(saved, dict) or "params" not in saved:
-            raise ValueError(f"state_dict['param_groups'][{g}] must be a dict with 'params'")
+        if not isinstance(saved, dict) or not isinstance(saved.get("params"), (list, tuple)):
+            raise ValueError(f"state_dict['param_groups'][{g}] must be a dict with a list 'params'")
         if len(saved["params"]) != len(group["params"]):
             raise ValueError(
                 f"state_dict param_groups[{g}] has {len(saved['params'])} parameters, the optimizer has {len(group['params'])}"
@@ -111,10 +114,11 @@ def _validate(opt, sd: dict) -> tuple:
     """
     if not isinstance(sd, dict) or "state" not in sd or "param_groups" not in sd:
         raise ValueError("state_dict must be a dict with 'state' and 'param_groups'")
-    saved_groups = sd["param_groups"]
+    saved_groups, state = sd["param_groups"], sd["state"]
+    if not isinstance(state, Mapping):
+        raise ValueError(f"state_dict['state'] must be a dict {{parameter id: entry}}, got {type(state).__name__}")
     _validate_groups(opt, saved_groups)
     saved_ids = [i for saved in saved_groups for i in saved["params"]]  # saved id of our index k
-    state = sd["state"]
     moments = ("exp_avg", "exp_avg_sq") if opt._algorithm == "adamw" else ()
     plan, stale = [], []
     for rec in opt._records:
@@ -149,32 +153,46 @@ def _validate(opt, sd: dict) -> tuple:
     return plan, stale, frozen
 
 
-def _saved_once(saved_groups, key: str, default):
+def _saved_once(saved_groups, key: str, default, check):
     """The value every saved group holds for ``key`` (``default``: a checkpoint of a version
-    without it, or of torch.optim.AdamW); a 0-d tensor is read as its number."""
-    # NOTE: NaN != NaN: NaNs count as one value, refused by the caller's check of it
-    values = {math.nan if isinstance(v, float) and math.isnan(v) else v for v in (g.get(key, default) for g in saved_groups)}
+    without it, or of torch.optim.AdamW), as ``check(value, name)`` returns it from each group
+    (raising ValueError naming the group and key); a one-element tensor is read as its number."""
+    values = set()
+    for g, saved in enumerate(saved_groups):
+        name = f"state_dict param_groups[{g}]['{key}']"
+        values.add(check(item_of(name, saved.get(key, default)), name))
     if len(values) != 1:
-        raise ValueError(f"state_dict param_groups disagree on '{key}': {sorted(values)}")
+        raise ValueError(f"state_dict param_groups disagree on '{key}': {sorted(values, key=repr)}")
     (value,) = values
-    return value.item() if isinstance(value, torch.Tensor) else value
+    return value
+
+
+def _factor(factor, name: str) -> float:
+    if isinstance(factor, bool) or not isinstance(factor, (int, float)) or not (0 < factor < float("inf")):
+        raise ValueError(f"{name} must be a finite number > 0, got {factor!r}")
+    return float(factor)
+
+
+def _flag(late, name: str) -> bool:
+    if not isinstance(late, bool):
+        raise ValueError(f"{name} must be True or False, got {late!r}")
+    return late
+
+
+def _limit(limit, name: str) -> Optional[float]:
+    if limit is not None and (isinstance(limit, bool) or not isinstance(limit, (int, float)) or not limit >= 0):
+        raise ValueError(f"{name} must be None or a number >= 0, got {limit!r}")
+    # NOTE: inf (no limit) was saved after a clip that only measured the norm
+    return None if limit is None or math.isinf(limit) else float(limit)
 
 
 def _speculation(saved_groups) -> tuple:
     """The saved speculation factor, late-hyper-parameter flag and clipping limit, checked."""
-    factor = _saved_once(saved_groups, SPECULATION_KEY, 1.0)
-    if isinstance(factor, bool) or not isinstance(factor, (int, float)) or not (0 < factor < float("inf")):
-        raise ValueError(f"state_dict param_groups[...]['{SPECULATION_KEY}'] must be a finite number > 0, "
-                         f"got {factor!r}")
-    late = _saved_once(saved_groups, LATE_HPARAMS_KEY, False)
-    if not isinstance(late, bool):
-        raise ValueError(f"state_dict param_groups[...]['{LATE_HPARAMS_KEY}'] must be True or False, got {late!r}")
-    limit = _saved_once(saved_groups, CLIP_LIMIT_KEY, None)
-    if limit is not None and (isinstance(limit, bool) or not isinstance(limit, (int, float)) or not limit >= 0):
-        raise ValueError(f"state_dict param_groups[...]['{CLIP_LIMIT_KEY}'] must be None or a number >= 0, "
-                         f"got {limit!r}")
-    # NOTE: inf (no limit) was saved after a clip that only measured the norm
-    return float(factor), late, None if limit is None or math.isinf(limit) else float(limit)
+    # NOTE: each group's value is checked before they are compared: a NaN in every group is a
+    # bad value, not groups that disagree (NaN != NaN), and a value that cannot be hashed is named
+    return (_saved_once(saved_groups, SPECULATION_KEY, 1.0, _factor),
+            _saved_once(saved_groups, LATE_HPARAMS_KEY, False, _flag),
+            _saved_once(saved_groups, CLIP_LIMIT_KEY, None, _limit))
 
 
 def _load_groups(opt, saved_groups) -> None:

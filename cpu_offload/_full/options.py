@@ -16,7 +16,7 @@ from typing import Optional
 
 import torch
 
-from cpu_offload._common.checks import check_float32, check_int
+from cpu_offload._common.checks import check_float32, check_int, item_of
 from cpu_offload._common.wrapping import check_not_offloaded
 from cpu_offload.optim import SignSGD
 from cpu_offload._full.packing import align_up
@@ -234,7 +234,7 @@ def read_hparams(param_groups, algorithm: str, *, bf16_moments: bool = False) ->
             for i, v in enumerate(items):
                 name = f"param_groups[{g}]['{key}']" + (f"[{i}]" if key == "betas" else "")
                 if isinstance(v, torch.Tensor) and v.numel() == 1:
-                    v = v.item()
+                    v = item_of(name, v)
                 if isinstance(v, bool) or not isinstance(v, numbers.Real):
                     raise TypeError(f"{name} must be a number, got {v!r}")
                 v = float(v)

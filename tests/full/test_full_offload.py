@@ -13,7 +13,8 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 
 import cpu_offload._full.chunk_runner as runner_mod
 from cpu_offload._full.optimizer import FullCPUOffloadOptimizer
-from helpers import Net, SMALL, batches, build, expected, named, records_of, run, worker_parts_of
+from helpers import (Net, SMALL, assert_same_state, batches, build, expected, named, records_of, run, snapshot,
+                     worker_parts_of)
 
 
 @pytest.mark.parametrize("kind", ["adamw", "sign_sgd"])
@@ -361,7 +362,8 @@ def test_keep_fp32_takes_a_generator_of_the_optimizers_parameters():
 @pytest.mark.parametrize("key,bad,error", [("amsgrad", True, ValueError), ("maximize", True, ValueError),
                                            ("capturable", True, ValueError), ("lr", "0.01", TypeError),
                                            ("decoupled_weight_decay", False, ValueError),
-                                           ("betas", (0.9,), ValueError), ("betas", (0.9, 0.95, 0.5), ValueError)])
+                                           ("betas", (0.9,), ValueError), ("betas", (0.9, 0.95, 0.5), ValueError),
+                                           ("lr", torch.tensor(0.01, device="meta"), ValueError)])
 def test_a_group_option_set_after_wrapping_is_refused_at_the_next_backward(key, bad, error):
     """Setting an option full offload cannot honour in a live group (a user, a scheduler)
     raises at the next backward, before anything is stepped; undone, training goes on as if
@@ -464,6 +466,39 @@ def test_closure_and_lr_change_apply_to_next_step():
     model(x).float().sum().backward()
     off.step()
     assert torch.equal(rec.master, before)
+
+
+@pytest.mark.parametrize("edit,words", [
+    (lambda sd: sd.update(state=[]), r"state_dict\['state'\] must be a dict"),
+    (lambda sd: sd["param_groups"][0].update(params=5), r"state_dict\['param_groups'\]\[0\] must be a dict with a list 'params'"),
+    (lambda sd: [g.update(late_hyperparameters=[True]) for g in sd["param_groups"]],
+     r"param_groups\[0\]\['late_hyperparameters'\] must be True or False"),
+    (lambda sd: [g.update(speculation_factor=torch.ones(2)) for g in sd["param_groups"]],
+     r"param_groups\[0\]\['speculation_factor'\] must be a number or a one-element tensor"),
+    (lambda sd: sd["param_groups"][1].update(lr=torch.tensor(0.1, device="meta")),
+     r"param_groups\[1\]\['lr'\]: cannot read the value of this meta tensor"),
+], ids=["state a list", "params an int", "late flag a list", "factor of two elements", "lr on the meta device"])
+def test_a_malformed_state_dict_is_refused_naming_the_key_before_anything_changes(edit, words):
+    """These raised Python's own errors naming nothing (no attribute 'get', no len(), unhashable
+    type, a tensor that cannot be converted to a Scalar, item() of a meta tensor). A ValueError
+    names the key now, before anything changes; the optimizer trains on."""
+    model, opt = build("adamw")
+    off = FullCPUOffloadOptimizer(opt, **SMALL)
+    step_with(model, off, 0)
+    before, weights = snapshot(off), copy.deepcopy(model.state_dict())
+    groups = [{k: v for k, v in g.items() if k != "params"} for g in off.param_groups]
+    saved = copy.deepcopy(off.state_dict())
+    for entry in saved["state"].values():  # a partial write would show
+        entry["exp_avg"] = entry["exp_avg"] + 1
+    edit(saved)
+    with pytest.raises(ValueError, match=words):
+        off.load_state_dict(saved)
+    assert_same_state(snapshot(off), before)
+    assert all(torch.equal(value, weights[key]) for key, value in model.state_dict().items())
+    assert [{k: v for k, v in g.items() if k != "params"} for g in off.param_groups] == groups
+    step_with(model, off, 1)  # and the optimizer trains on
+    assert any(rec.step > before[rec.name][3] for rec in records_of(off))
+    off.close()
 
 
 def test_deepcopy_of_state_dict_is_snapshot():
