@@ -74,16 +74,17 @@ class SignSGD(Optimizer):
             with torch.enable_grad():
                 loss = closure()
         # NOTE: load_state_dict and direct edits (schedulers, users) bypass add_param_group;
-        # every group is checked before any parameter changes.
+        # every group and every gradient is checked before any parameter changes.
         for g, group in enumerate(self.param_groups):
             _check_group(g, group)
+            for i, p in enumerate(group["params"]):
+                if p.grad is not None and p.grad.is_sparse:
+                    raise RuntimeError(f"SignSGD does not support sparse gradients (param_groups[{g}][{i}])")
         for group in self.param_groups:
             lr, wd = group["lr"], group["weight_decay"]
             for p in group["params"]:
                 if p.grad is None:
                     continue
-                if p.grad.is_sparse:
-                    raise RuntimeError("SignSGD does not support sparse gradients")
                 if wd > 0:
                     p.mul_(1.0 - lr * wd)
                 p.add_(torch.sign(p.grad), alpha=-lr)

@@ -97,6 +97,23 @@ def test_sign_sgd_refuses_bad_groups_added_loaded_or_edited_later():
     assert torch.equal(p.detach(), torch.full((3,), -0.5))
 
 
+def test_sign_sgd_refuses_a_sparse_gradient_before_any_parameter_steps():
+    """The dense parameter before an Embedding(sparse=True) was stepped when the sparse
+    gradient was met; refused before any parameter changes now, as torch's AdamW refuses."""
+    dense = torch.nn.Parameter(torch.zeros(3))
+    emb = torch.nn.Embedding(4, 2, sparse=True)
+    table = emb.weight.detach().clone()
+    opt = SignSGD([{"params": [dense]}, {"params": [emb.weight], "weight_decay": 0.1}], lr=0.5)
+    (dense.sum() + emb(torch.tensor([1])).sum()).backward()
+    with pytest.raises(RuntimeError, match="SignSGD does not support sparse gradients") as refused:
+        opt.step()
+    assert torch.equal(dense.detach(), torch.zeros(3)) and torch.equal(emb.weight.detach(), table)
+    assert "param_groups[1][0]" in str(refused.value)
+    emb.weight.grad = None
+    opt.step()
+    assert torch.equal(dense.detach(), torch.full((3,), -0.5))
+
+
 def test_sign_sgd_accepts_large_values_whose_float32_constants_are_finite():
     p = torch.tensor([1.0, 2.0, 3.0], requires_grad=True)
     opt = SignSGD([p], lr=1e30, weight_decay=1e-31)
