@@ -30,7 +30,6 @@ from __future__ import annotations
 
 import contextlib
 import math
-import numbers
 import os
 import threading
 import weakref
@@ -41,7 +40,7 @@ from typing import Iterator, Optional, Sequence
 import torch
 from torch._subclasses.fake_tensor import FakeTensor
 
-from cpu_offload._common.checks import check_float32, check_int, item_of
+from cpu_offload._common.checks import check_float32, check_int, real_of
 from cpu_offload import _C
 from cpu_offload._common.cpulist import format_cpulist
 
@@ -312,13 +311,7 @@ def _check_scalar(name, value, *, low=None, high=None, high_open=False):
     the kernels derive from several values (1 - lr*weight_decay, the bias-corrected step
     size) are checked by the native code, which raises ValueError naming the values.
     """
-    value = item_of(name, value)
-    if isinstance(value, bool) or not isinstance(value, numbers.Real):
-        raise TypeError(f"{name} must be a number, got {type(value).__name__}")
-    try:
-        value = float(value)
-    except OverflowError:  # an int beyond any double
-        value = math.inf if value > 0 else -math.inf
+    value = real_of(name, value)
     if not math.isfinite(value):
         raise ValueError(f"{name} must be finite, got {value}")
     if low is not None and value < low:

@@ -2,17 +2,19 @@
 #
 # Scope: whole-number options (an int, never a bool, at least some bound; None where the
 # option has a default meaning); hyper-parameters and the constants derived from them that
-# the kernels narrow to float32; the number a one-element tensor holds. Non-goals: checks of
-# one entry point only (they stay beside it).
+# the kernels narrow to float32; real numbers, the one a one-element tensor holds included.
+# Non-goals: checks of one entry point only (they stay beside it).
 
 from __future__ import annotations
 
+import math
+import numbers
 import struct
 from typing import Optional
 
 import torch
 
-__all__ = ["check_int", "check_float32", "item_of"]
+__all__ = ["check_int", "check_float32", "item_of", "real_of"]
 
 FLOAT32_MAX = 3.4028234663852886e38
 
@@ -60,3 +62,18 @@ def item_of(name: str, value):
     except (RuntimeError, NotImplementedError) as e:  # a meta or fake tensor holds no value
         raise ValueError(f"{name}: cannot read the value of this {value.device.type} tensor ({e}); "
                          "pass a number or a CPU tensor") from None
+
+
+def real_of(name: str, value) -> float:
+    """``value`` as a float: any real number (numpy's included, never a bool) or the one a
+    one-element tensor holds (``item_of``); an int beyond any double is +-inf.
+
+    Raise TypeError naming ``name`` for anything else (a string, a list).
+    """
+    value = item_of(name, value)
+    if isinstance(value, bool) or not isinstance(value, numbers.Real):
+        raise TypeError(f"{name} must be a number, got {type(value).__name__}")
+    try:
+        return float(value)
+    except OverflowError:  # an int beyond any double
+        return math.inf if value > 0 else -math.inf

@@ -16,7 +16,7 @@ import math
 
 import torch
 
-from cpu_offload._common.checks import check_int
+from cpu_offload._common.checks import check_float32, check_int, real_of
 from cpu_offload._full.grad_norms import check_norm_type
 from cpu_offload._full.protocol import Phase
 
@@ -55,10 +55,11 @@ class WindowControls:
         self._proto.window = value
 
     def scale_grads_(self, factor: float) -> None:
-        """Multiply every gradient of the window by ``factor`` (> 0): the window's whole sum,
-        like ``p.grad.mul_(factor)`` for every parameter after the window's last backward
-        in torch, whenever it is called (between two backward passes it scales the passes
-        still to come too, not only those so far).
+        """Multiply every gradient of the window by ``factor`` (a number > 0; the window's
+        factors multiplied must stay finite in float32, the kernels' precision): the window's
+        whole sum, like ``p.grad.mul_(factor)`` for every parameter after the window's last
+        backward in torch, whenever it is called (between two backward passes it scales the
+        passes still to come too, not only those so far).
 
         Before the window's last backward pass it costs nothing (the kernels
         scale as they step); after it, ``step()`` rolls the update back and
@@ -67,15 +68,15 @@ class WindowControls:
         multiply; clipping afterwards sees the scaled norm. ``zero_grad()`` drops the
         factors of a window that it abandons, as it drops torch's scaled gradients.
         """
-        try:
-            factor = float(factor)
-        except (TypeError, ValueError):
-            raise ValueError(f"factor must be a finite number > 0, got {factor!r}") from None
+        factor = real_of("factor", factor)
         if not (math.isfinite(factor) and factor > 0):
             raise ValueError(f"factor must be a finite number > 0, got {factor!r}")
         self._enter()
         if self._proto.phase is Phase.BACKWARD:
             raise RuntimeError("scale_grads_() called during a backward pass")
+        # NOTE: the kernels take the window's factor as their float32 grad_scale
+        check_float32("factor", self._validator.scale * factor,
+                      "the window's factor on its gradients (its scale_grads_ factors and clipping coefficients)")
         self._validator.scale_grads(factor, late=self._proto.phase is Phase.APPLIED)
 
     def _drain_accumulation(self) -> None:

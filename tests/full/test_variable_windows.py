@@ -126,6 +126,34 @@ def test_the_logged_norm_counts_a_factor_given_before_or_after_the_last_backward
     assert runs["before"] == runs["after"]
 
 
+@pytest.mark.parametrize("late", [False, True], ids=["before_the_last_backward", "after_it"])
+def test_a_factor_the_kernels_cannot_take_is_refused_at_the_call_and_changes_nothing(late):
+    """Factors whose product overflows float32 (the kernels' grad_scale) were accepted, and the
+    window's step then failed in the CPU worker; '2' and True were taken as numbers. Each is
+    refused at the call, naming the factor; the window steps as if it had not been given."""
+    runs = []
+    for refuse in (True, False):
+        model, opt = build("adamw")
+        off = FullCPUOffloadOptimizer(opt, **SMALL)
+        x = micro_batch(0, 0).to(torch.bfloat16)
+        if late:
+            model(x).float().pow(2).sum().backward()
+        off.scale_grads_(2.0)
+        if refuse:
+            with pytest.raises(ValueError, match=r"factor gives the window's .* = 4e\+38, which overflows float32"):
+                off.scale_grads_(2e38)  # alone it fits
+            for bad in ("2", True):
+                with pytest.raises(TypeError, match="factor must be a number"):
+                    off.scale_grads_(bad)
+        if not late:
+            model(x).float().pow(2).sum().backward()
+        off.step()
+        runs.append([r.master.clone() for r in records_of(off)])
+        off.close()
+    refused, plain = runs
+    assert all(torch.equal(a, b) for a, b in zip(refused, plain))
+
+
 def test_window_length_errors():
     model, opt = build("adamw")
     one = FullCPUOffloadOptimizer(opt, **SMALL)
