@@ -573,7 +573,7 @@ class FullCPUOffloadOptimizer(WindowControls, torch.optim.Optimizer):
     def _read_hparams(self, *, speculate: bool = False) -> list:
         hparams = read_hparams(self.param_groups, self._algorithm, bf16_moments=self._bf16_moments)
         for hp in hparams:
-            hp["grad_scale"] = self._validator.speculative_scale() if speculate else self._validator.scale
+            hp["grad_scale"] = self._validator.speculative_scale() if speculate else self._validator.factor()
         return hparams
 
     def _complete_window(self) -> None:
@@ -647,7 +647,7 @@ class FullCPUOffloadOptimizer(WindowControls, torch.optim.Optimizer):
             # since the last backward is what the step updates (else its compute copy was lost)
             if self._device.records:
                 adopt_external_weights(self._device.records)
-            note_versions(self._device.step(hparams or self._pipeline.hparams, self._validator.scale))
+            note_versions(self._device.step(hparams or self._pipeline.hparams, self._validator.factor()))
 
     def _close_window(self, *, abandoned: bool = False, landing: bool = False) -> None:
         if not landing:  # NOTE: the worker still counts the steps of a landing window

@@ -98,8 +98,13 @@ class StepValidator:
         self.open_window()
 
     def open_window(self) -> None:
-        self.scale = 1.0  # the factor on this window's gradients (clip coefficients, scale_grads_)
+        self.scale = 1.0  # the factor on this window's gradients (clip_grad_norm_, scale_grads_)
         self.late = 1.0  # the part of it given after the window's last backward started
+        # NOTE: max_grad_norm's coefficient is the window's last clip, a factor of its own: a
+        # clip_grad_norm_ or scale_grads_ after it comes before it (it is taken again), so the
+        # norm such a call returns is the one before the option's clip, in any window
+        self.option_coef: Optional[float] = None  # None: not clipped by the option yet
+        self._window_limit: Optional[float] = None  # the smallest finite 2-norm clip_grad_norm_ limit
         self.skipped = False
         self._norms: dict = {}  # norm_type -> norm of the window's unscaled gradients
         self.grad_norm: Optional[float] = None  # the last norm computed in this window (scaled)
@@ -139,6 +144,8 @@ class StepValidator:
         # the limit the clips before it set
         if math.isfinite(max_norm):
             self.clip_limit = max_norm if norm_type == 2.0 else None
+            if norm_type == 2.0:
+                self._window_limit = min(max_norm, self._window_limit or math.inf)
         if not math.isfinite(total):
             return total
         if in_place:
@@ -153,6 +160,7 @@ class StepValidator:
             self.late *= self.clip_coef
         else:
             self.rescale(self.clip_coef, late=late)
+        self._clip_by_option_again()
         return total
 
     def forget_norms(self) -> None:
@@ -163,7 +171,7 @@ class StepValidator:
         """The window ends; the next one speculates with its late factor, unless it was
         abandoned (zero_grad() before its last pass, a failure): then with the last one's."""
         if not abandoned:
-            self.predicted = self.late
+            self.predicted = self.late * (self.option_coef or 1.0)
             self.predicted_late_hparams = self.late_hparams
         self.open_window()
 
@@ -179,6 +187,23 @@ class StepValidator:
         self.rescale(factor, late=late)
         if self.grad_norm is not None:
             self.grad_norm *= factor
+        self._clip_by_option_again()
+
+    def factor(self) -> float:
+        """The factor the window's step applies to its gradients."""
+        return self.scale * (self.option_coef or 1.0)
+
+    def _clip_by_option(self) -> None:
+        """max_grad_norm: clip the window's gradients as every call so far left them."""
+        total = self.norm(2.0)
+        self.grad_norm, self.clip_coef = total, clip_coefficient(self.max_grad_norm, total)
+        self.option_coef = self.clip_coef
+        self.clip_limit = min(self.max_grad_norm, self._window_limit or math.inf)
+
+    def _clip_by_option_again(self) -> None:
+        """A clip_grad_norm_ or scale_grads_ after the option's clip comes before it."""
+        if self.option_coef is not None and math.isfinite(self.norm(2.0)):
+            self._clip_by_option()
 
     def defers(self) -> bool:
         """Whether the window's last backward holds its chunks back until step(), instead of
@@ -195,7 +220,7 @@ class StepValidator:
 
     def speculative_scale(self) -> float:
         """The factor the window's last backward steps with."""
-        return self.scale * self.predicted
+        return self.scale * self.predicted  # NOTE: before the window's last pass: no option_coef yet
 
     # ------------------------------------------------------- after the last pass
     def after_final_pass(self) -> None:
@@ -213,7 +238,7 @@ class StepValidator:
                 self._skip()
             return
         if self.max_grad_norm is not None:
-            self.clip(self.max_grad_norm, 2.0, late=True)
+            self._clip_by_option()
             if not self.predicted_late_hparams:  # NOTE: else step() steps it once, with the values it reads
                 self.apply()
 
@@ -225,7 +250,7 @@ class StepValidator:
         if self.skipped or not self.pipeline.hparams:
             return
         names = _ADAMW_HPARAMS if self.algorithm == "adamw" else _SIGN_SGD_HPARAMS
-        target = [dict(hp, grad_scale=self.scale) for hp in (current or self.pipeline.hparams)]
+        target = [dict(hp, grad_scale=self.factor()) for hp in (current or self.pipeline.hparams)]
 
         def differs(hp: dict, group: int) -> bool:
             if self.algorithm != "adamw":

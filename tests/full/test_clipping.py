@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from cpu_offload._full.optimizer import FullCPUOffloadOptimizer
-from helpers import (LOSS_SCALES, SMALL, STEPS, batches, build, capture, check_stepped_once, check_unchanged,
+from helpers import (LOSS_SCALES, SMALL, STEPS, assert_same_state, batches, build, capture, check_stepped_once, check_unchanged,
                      count_rollbacks, fp32_reference, host_bytes_of, normwise, records_of, snapshot, train, train_step,
                      watch_rollbacks, window_records_of)
 
@@ -150,6 +150,53 @@ def test_max_grad_norm_option_equals_the_call(k):
     for a, b in zip(called.state.values(), option.state.values()):
         assert torch.equal(a["master"], b["master"]) and torch.equal(a["exp_avg"], b["exp_avg"]), a
     assert option.stats()["grad_norm"] is not None
+
+
+@pytest.mark.parametrize("k", [1, 2])
+def test_a_clip_that_logs_the_norm_under_the_max_grad_norm_option_sees_the_norm_before_it(k):
+    """With max_grad_norm= on the optimizer and the framework's clipping off, HF Trainer calls
+    clip_grad_norm_(params, inf) before step() to log the norm. In a full window it got the norm
+    already clipped (max_grad_norm itself, every clipped step), in a short one the norm before;
+    stats() then held the clipped norm and a coefficient of 1. The option's clip is the window's
+    last: the call returns torch's norm of the window's gradients, stats() the norm and the
+    coefficient the option clipped with, and the weights are those of the run without the call."""
+    clip = 0.1
+    plain = train("adamw", k, 6, max_grad_norm=clip)
+    model, off, init, history, norms = train("adamw", k, 6, max_grad_norm=clip, clip=math.inf)
+    ref_norms = torch_replay("adamw", init, history, math.inf)[2]
+    assert sum(float(n) > clip for n in ref_norms) >= 3  # steps that clip
+    for ours, theirs in zip(norms, ref_norms):
+        assert abs(float(ours) - float(theirs)) <= 1e-6 * float(theirs)
+    stats = off.stats()
+    assert abs(stats["grad_norm"] - float(ref_norms[-1])) <= 1e-6 * float(ref_norms[-1])
+    assert stats["clip_coef"] == plain[1].stats()["clip_coef"] < 1.0
+    assert_same_state(snapshot(plain[1]), snapshot(off))
+
+
+def test_the_max_grad_norm_option_clips_after_a_late_scale_grads_as_after_an_early_one():
+    """max_grad_norm clips the gradients step() uses: a factor given by scale_grads_() after the
+    last backward comes before the option's clip, as one given before the first backward does
+    (it came after, so the step's norm was the factor times the limit)."""
+    runs, logs = [], []
+    for early in (True, False):
+        model, opt = build("adamw")
+        off = FullCPUOffloadOptimizer(opt, max_grad_norm=0.1, **SMALL)
+        logs.append([])
+        for s in range(4):
+            if early:
+                off.scale_grads_(0.5)
+            train_step(model, off, s, 1)
+            if not early:
+                off.scale_grads_(0.5)
+            off.step()
+            off.zero_grad()
+            logs[-1].append((off.stats()["grad_norm"], off.stats()["clip_coef"]))
+        runs.append(snapshot(off))
+    assert logs[0] == logs[1] and sum(coef < 1.0 for _, coef in logs[0]) == 2
+    for name, (early, late) in {n: (runs[0][n], runs[1][n]) for n in runs[0]}.items():
+        assert early[3] == late[3], name
+        for a, b in zip(early[:3], late[:3]):  # the two take other speculative paths: rounding apart
+            assert normwise(a, b) < 1e-6, name
 
 
 @pytest.mark.parametrize("k", [1, 2])
