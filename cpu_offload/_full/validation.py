@@ -43,6 +43,7 @@ import torch
 
 from cpu_offload._full.grad_norms import clip_coefficient, local_norm, total_norm
 from cpu_offload._full.host_state import note_versions, write_compute_copies
+from cpu_offload._common.checks import FLOAT32_MAX
 from cpu_offload._common.interrupts import deferred_interrupts
 from cpu_offload._full.rollback import rollback_adamw_pieces_, rollback_sign_sgd_pieces_
 
@@ -220,7 +221,10 @@ class StepValidator:
 
     def speculative_scale(self) -> float:
         """The factor the window's last backward steps with."""
-        return self.scale * self.predicted  # NOTE: before the window's last pass: no option_coef yet
+        # NOTE: before the window's last pass: no option_coef yet. Each factor fits float32 (the
+        # kernels' grad_scale), their product may not: then without the last window's
+        factor = self.scale * self.predicted
+        return factor if factor <= FLOAT32_MAX else self.scale
 
     # ------------------------------------------------------- after the last pass
     def after_final_pass(self) -> None:

@@ -154,6 +154,32 @@ def test_a_factor_the_kernels_cannot_take_is_refused_at_the_call_and_changes_not
     assert all(torch.equal(a, b) for a, b in zip(refused, plain))
 
 
+@pytest.mark.parametrize("kind", ["adamw", "sign_sgd"])
+def test_a_large_late_factor_then_a_large_early_one_steps(kind):
+    """The next window speculates with its own factor times the one the last window got after
+    its last backward. Each fit float32 (scale_grads_ checks its own window) but not their
+    product, and SignSGD's speculative step failed in the CPU worker (grad_scale 1e+40). The
+    step speculates without the last window's factor then, and equals the step with the factor."""
+    model, opt = build(kind)
+    off = FullCPUOffloadOptimizer(opt, **SMALL)
+    x = micro_batch(0, 0).to(torch.bfloat16)
+    model(x).float().pow(2).sum().backward()
+    off.scale_grads_(1e30)  # after the last backward: the next window speculates with it
+    off.step()
+    off.zero_grad()
+    ref_model, ref_opt = build(kind)
+    ref = FullCPUOffloadOptimizer(ref_opt, **SMALL)
+    ref.load_state_dict(off.state_dict())
+    for wrapper, m in ((off, model), (ref, ref_model)):
+        wrapper.scale_grads_(1e10)
+        m(micro_batch(1, 0).to(torch.bfloat16)).float().pow(2).sum().backward()
+        wrapper.step()
+    assert all(torch.equal(a.master, b.master) and a.step == b.step for a, b in zip(records_of(off), records_of(ref)))
+    assert max(r.step for r in records_of(off)) == 2
+    off.close()
+    ref.close()
+
+
 def test_window_length_errors():
     model, opt = build("adamw")
     one = FullCPUOffloadOptimizer(opt, **SMALL)
