@@ -321,6 +321,7 @@ class FullCPUOffloadOptimizer(WindowControls, torch.optim.Optimizer):
         h2d = HostRing("h2d", num_slots=shape.h2d_slots, slot_bytes=shape.slot_bytes, pin=transfer.pin)
         originals: dict = {}
         handles: list = []
+        cleared: dict = {}  # the torch optimizer's state entries, once carried over and cleared
         try:
             cast_to_compute(records, compute_dtype=compute_dtype, keep_fp32=keep, originals=originals)
             if grad_copy == "host":
@@ -383,11 +384,15 @@ class FullCPUOffloadOptimizer(WindowControls, torch.optim.Optimizer):
                         checkpoint.load_state_dict(self, carried)
                     except (TypeError, ValueError) as e:
                         raise type(e)(f"the wrapped optimizer's state cannot be carried over: {e}") from None
-                    # NOTE: the torch optimizer's own copy would hold device memory full offload frees
+                    # NOTE: the torch optimizer's own copy would hold device memory full offload frees;
+                    # an abort below (a Ctrl-C held back to this block's end) puts its entries back
+                    cleared = dict(optimizer.state)
                     optimizer.state.clear()
                 self._proto.move(Phase.IDLE)
         except BaseException:
             self._abort_construction(records, originals, handles)
+            if cleared and not optimizer.state:
+                optimizer.state.update(cleared)
             raise
 
     def _abort_construction(self, records, originals: dict, handles: list) -> None:

@@ -525,6 +525,39 @@ def test_a_ctrl_c_at_any_line_of_the_construction_leaves_the_model_as_it_was(sig
     assert k > 500
 
 
+def test_a_ctrl_c_while_the_construction_carries_a_stepped_optimizers_state_keeps_that_state(sigint_raises):
+    """Wrapping an AdamW that has stepped carries its state over, then clears the torch
+    optimizer's own copy. A Ctrl-C there (delivered where that block ends) undid the
+    construction but not the clearing: the optimizer lost its moments and step counts, and
+    wrapping it again restarted Adam from step 0, silently."""
+    torch.manual_seed(0)
+    model = Net()
+    opt = torch.optim.AdamW(model.parameters(), **REPLAY_HP)
+    for _ in range(2):
+        model(torch.randn(8, 16)).pow(2).mean().backward()
+        opt.step()
+        opt.zero_grad()
+    kept = {p: {key: v.clone() for key, v in st.items()} for p, st in opt.state.items()}
+    k = 0
+    while True:
+        k += 1
+        built = []
+        gc.disable()  # NOTE: as above: no finalizer may take the interrupt
+        try:
+            hit, raised = sigint_at_line(k, lambda b=built: b.append(FullCPUOffloadOptimizer(opt, **SMALL)),
+                                         start="load_state_dict")
+        finally:
+            gc.enable()
+        if not hit:
+            break
+        assert isinstance(raised, KeyboardInterrupt), (k, raised)
+        assert list(opt.state) == list(kept), k
+        for p, st in kept.items():
+            assert all(torch.equal(opt.state[p][key], v) for key, v in st.items()), k
+    assert k > 20
+    built[0].close()
+
+
 def test_exception_in_accumulation_window_discards_it():
     h = Harness(k=2)
     h.train_normally(1, k=2)
