@@ -87,12 +87,22 @@ def _user_stacklevel() -> int:
     return level
 
 
-def _shutdown(records, pipeline, transfer, handles, trace) -> None:
+def _shutdown(records, pipeline, transfer, handles, trace, *, finish_queued: bool = True) -> None:
     """Release what a wrapper holds and write its trace; must not reference the wrapper (it
-    runs from a finalizer). NOTE: whole or not at all against Ctrl-C: run by the garbage
-    collector, an interrupt is dropped where it lands, and left hooks and an owner behind."""
+    runs from a finalizer). ``finish_queued``: the chunks queued or running are stepped
+    first (close() has landed them already). NOTE: whole or not at all against Ctrl-C: run
+    by the garbage collector, an interrupt is dropped where it lands, and left hooks and an
+    owner behind."""
     with deferred_interrupts():
         _unhook(records, handles)
+        if finish_queued:
+            try:
+                # NOTE: chunks of a step() that returned before they ran (overlap_forward): a
+                # wrapper dropped right after its last step left some weights without it. A
+                # failure there is not raised from a finalizer (the next forward would have).
+                pipeline.drain()
+            except Exception:
+                pass
         pipeline.close()
         try:
             transfer.synchronize()
@@ -1067,7 +1077,10 @@ class FullCPUOffloadOptimizer(WindowControls, torch.optim.Optimizer):
         with deferred_interrupts():  # NOTE: whole, as the finalizer it runs
             self._proto.move(Phase.CLOSED)
             release_optimizer(self)
-            self._finalizer()
+            detached = self._finalizer.detach()
+            if detached is not None:
+                _, shutdown, args, _ = detached
+                shutdown(*args, finish_queued=False)  # NOTE: close() landed the last step, or raised
 
     def __getstate__(self):
         refuse_copy(self)

@@ -7,6 +7,9 @@
 # A worker failure after step() surfaces on the caller's thread in the next forward, and an
 # interrupt while a forward waits leaves nothing behind.
 
+import gc
+import weakref
+
 import pytest
 import torch
 import torch.nn as nn
@@ -157,6 +160,23 @@ def test_step_returns_first_and_each_forward_reads_the_new_weights(monkeypatch):
     assert torch.equal(model(probe, use_extra=True), want)  # each module waited for its new weights
     assert not off._proto.landing  # the root module's hook waited for its own (extra, unused): all landed
     off.close()
+
+
+def test_a_wrapper_dropped_while_its_last_step_lands_finishes_that_step(monkeypatch):
+    """close() waits for the last step's weights. The finalizer that releases a wrapper nobody
+    holds (a train() function that returns the model) stopped the worker with the step's
+    chunks still queued: some parameters silently lacked the last step."""
+    want_model, want_off, _ = train("adamw", overlap=False, steps=3)
+    want = {n: p.detach().clone() for n, p in want_model.named_parameters()}
+    want_off.close()
+    model, off, gate = step_held(monkeypatch, 2)
+    assert off._pipeline.in_flight
+    dropped = weakref.ref(off)
+    del off
+    gc.collect()
+    assert dropped() is None
+    for n, p in model.named_parameters():
+        assert torch.equal(p.detach(), want[n]), n
 
 
 def test_a_forward_between_backward_and_step_reads_the_new_weights(monkeypatch):
