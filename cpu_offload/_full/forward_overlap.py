@@ -10,9 +10,9 @@
 # make the root wait for everything.
 # NOTE: a read that no module's forward precedes (a parent reading a child's weight
 # directly, an EMA or a log after step()) sees the old or a partly written weight; the
-# optimizer's own calls, ``state_dict()`` of a hooked module and the next backward wait
-# for every weight first, and ``FullCPUOffloadOptimizer.wait_for_weights()`` does it on
-# request.
+# optimizer's own calls, ``state_dict()`` and ``load_state_dict()`` of a hooked module and
+# the next backward wait for every weight first, and
+# ``FullCPUOffloadOptimizer.wait_for_weights()`` does it on request.
 #
 # Scope: choosing the parameters of each hook, registering and removing the hooks.
 # Non-goals: the waiting itself (optimizer.py, pipeline.py).
@@ -57,7 +57,8 @@ def _group_params(module) -> list:
 def attach_forward_waits(model, records, *, wait: Callable, land: Callable) -> list:
     """Register a forward pre-hook on every module of ``model`` whose forward reads
     parameters of ``records``: ``wait(recs, fsdp_state)`` with the records it reads; and a
-    ``state_dict`` pre-hook on the same modules that calls ``land()``. Returns the handles."""
+    ``state_dict`` and a ``load_state_dict`` pre-hook on the same modules that call ``land()``.
+    Returns the handles."""
     by_param = {id(rec.param): rec for rec in records}
     handles = []
     for module in model.modules():
@@ -75,4 +76,13 @@ def attach_forward_waits(model, records, *, wait: Callable, land: Callable) -> l
         # fully_shard, before the optimizer existed), which all-gathers the group.
         handles.append(module.register_forward_pre_hook(pre_forward, prepend=True))
         handles.append(module.register_state_dict_pre_hook(lambda *_: land()))
+        # NOTE: a load into the model right after step() would be overwritten by the weights still landing
+        handles.append(_load_pre_hook(module, lambda *_: land()))
     return handles
+
+
+def _load_pre_hook(module, hook):
+    """``module.register_load_state_dict_pre_hook(hook)``: public from torch 2.5 on."""
+    if hasattr(module, "register_load_state_dict_pre_hook"):
+        return module.register_load_state_dict_pre_hook(hook)
+    return module._register_load_state_dict_pre_hook(hook, with_module=True)  # pragma: no cover - torch < 2.5

@@ -179,6 +179,21 @@ def test_a_wrapper_dropped_while_its_last_step_lands_finishes_that_step(monkeypa
         assert torch.equal(p.detach(), want[n]), n
 
 
+def test_a_model_load_right_after_step_waits_for_the_weights_still_landing(monkeypatch):
+    """model.load_state_dict() right after step() (a resume in the same process): the weights
+    still landing overwrote the loaded ones, and a torch checkpoint loaded next into the
+    optimizer took its masters from them, silently. The load waits for them first, as a
+    module's state_dict() does."""
+    torch.manual_seed(3)
+    checkpoint = {n: torch.randn_like(t) for n, t in build("adamw")[0].state_dict().items()}
+    model, off, gate = step_held(monkeypatch, 2)
+    assert off._pipeline.in_flight
+    model.load_state_dict(checkpoint)
+    for n, t in model.state_dict().items():
+        assert torch.equal(t, checkpoint[n].to(t.dtype)), n
+    off.close()
+
+
 def test_a_forward_between_backward_and_step_reads_the_new_weights(monkeypatch):
     model, off, _ = train("adamw", overlap=False, steps=2)
     torch.manual_seed(5)
