@@ -45,22 +45,39 @@ def check_not_offloaded(optimizer) -> None:
                            f"{ends} before wrapping the optimizer again")
 
 
-def adopt_optimizer(wrapper: torch.optim.Optimizer, optimizer: torch.optim.Optimizer, *, shares_hooks: bool) -> None:
+class _WithTorchOptimizersHooks(OrderedDict):
+    """A hook table of a wrapper that never calls its torch optimizer's step or state-dict
+    methods (full offload): it holds the hooks registered on the wrapper, and ``values()``,
+    which torch's Optimizer reads to run them, gives the torch optimizer's own first.
+
+    NOTE: the torch optimizer's table is read, never written: a hook registered on the
+    wrapper does not outlive it there (a step of the torch optimizer after close(), or of
+    a second wrapper around it, does not run it)."""
+
+    def __init__(self, torch_hooks: OrderedDict) -> None:
+        super().__init__()
+        self.torch_hooks = torch_hooks
+
+    def values(self):
+        return [*self.torch_hooks.values(), *super().values()]
+
+
+def adopt_optimizer(wrapper: torch.optim.Optimizer, optimizer: torch.optim.Optimizer, *,
+                    runs_torch_hooks: bool) -> None:
     """Share ``optimizer``'s groups and defaults with ``wrapper`` and set up its hooks;
     ``wrapper`` drives ``optimizer`` until ``release_optimizer`` or its end.
 
-    ``shares_hooks``: the wrapper never calls ``optimizer``'s step or state-dict methods
-    (full offload), so the hooks registered on either run once, around the wrapper's:
-    the two share their hook tables. Else each keeps its own, and ``optimizer``'s run
-    when the wrapper calls its methods."""
+    ``runs_torch_hooks``: the wrapper never calls ``optimizer``'s step or state-dict
+    methods (full offload), so it runs the hooks registered on ``optimizer`` around its
+    own, once. Else ``optimizer``'s run when the wrapper calls its methods."""
     _wrappers[optimizer] = weakref.ref(wrapper)
     wrapper.optimizer = wrapper._offloads = optimizer
     wrapper.defaults = optimizer.defaults
     wrapper.param_groups = optimizer.param_groups  # NOTE: the same list and dicts
     for name in _HOOK_TABLES:
         table = f"_optimizer_{name}_hooks"
-        # NOTE: the same dicts, so that a handle from either's register_*_hook removes the hook
-        setattr(wrapper, table, getattr(optimizer, table) if shares_hooks else OrderedDict())
+        setattr(wrapper, table, _WithTorchOptimizersHooks(getattr(optimizer, table)) if runs_torch_hooks
+                else OrderedDict())
     wrapper._patch_step_function()
 
 

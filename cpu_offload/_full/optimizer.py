@@ -354,7 +354,7 @@ class FullCPUOffloadOptimizer(WindowControls, torch.optim.Optimizer):
                 for rec in records:
                     if id(rec.param) in originals:
                         ownership.mark_cast(rec.param, originals[id(rec.param)])
-                adopt_optimizer(self, optimizer, shares_hooks=True)
+                adopt_optimizer(self, optimizer, runs_torch_hooks=True)
                 self._proto.window = grad_accum_steps
                 self.timeout_s = float(timeout_s)
                 self._records, self._frozen = records, frozen

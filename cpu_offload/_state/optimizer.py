@@ -66,7 +66,7 @@ class StateOffloadOptimizer(torch.optim.Optimizer):
                              "CUDA is available) or pass pin_memory=False")
         check_int("prefetch_bytes", prefetch_bytes, low=0, none="no cap")
         check_int("grad_accum_steps", grad_accum_steps, low=1, none="")
-        adopt_optimizer(self, optimizer, shares_hooks=False)
+        adopt_optimizer(self, optimizer, runs_torch_hooks=False)
         self.pin_memory = torch.cuda.is_available() if pin_memory is None else pin_memory
         try:
             # NOTE: every mutable thing lives inside this one object, never in a

@@ -607,8 +607,19 @@ def test_hooks_registered_on_the_torch_optimizer_before_wrapping_run_once():
     model(torch.randn(2, 24, dtype=torch.bfloat16)).float().sum().backward()
     off.step()
     assert calls == [("step_pre", off), ("wrapper_post", off)]
-    extra.remove()
-    off.close()
+    off.close()  # NOTE: ``extra`` not removed: a hook registered on the wrapper ends with it
+    model.float()
+    again = FullCPUOffloadOptimizer(opt, **SMALL)
+    calls.clear()
+    model(torch.randn(2, 24, dtype=torch.bfloat16)).float().sum().backward()
+    again.step()
+    assert calls == [("step_pre", again)]
+    again.close()
+    model.float()
+    calls.clear()
+    model(torch.randn(2, 24)).sum().backward()
+    opt.step()  # the torch optimizer on its own again: its own hook only
+    assert calls == [("step_pre", opt)] and extra.id not in opt._optimizer_step_post_hooks
 
 
 def test_step_blocked_counts_the_tail_after_backward(monkeypatch):
