@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import os
 import sys
+import threading
 import time
 import warnings
 import weakref
@@ -93,6 +94,12 @@ def _shutdown(records, pipeline, transfer, handles, trace, *, finish_queued: boo
     first (close() has landed them already). NOTE: whole or not at all against Ctrl-C: run
     by the garbage collector, an interrupt is dropped where it lands, and left hooks and an
     owner behind."""
+    if finish_queued and pipeline.on_worker_thread():
+        # NOTE: the garbage collector ran this finalizer on the worker, in a chunk: it cannot
+        # wait for itself, so another thread waits for the queued chunks, then releases
+        threading.Thread(target=_shutdown, args=(records, pipeline, transfer, handles, trace),
+                         name="cpu_offload-shutdown", daemon=True).start()
+        return
     with deferred_interrupts():
         _unhook(records, handles)
         if finish_queued:

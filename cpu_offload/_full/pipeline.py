@@ -353,6 +353,9 @@ class Pipeline:
         wait_until(lambda: all(self.transfer.is_done(s.marker) for s in self.h2d.slots),
                    timeout_s=self.timeout_s, what="host-to-device copies", diagnose=self.diagnose)
 
+    def on_worker_thread(self) -> bool:
+        return threading.current_thread() is self._thread
+
     def close(self) -> None:
         """Stop the worker and drop the staging rings (the pinned memory is freed
         once the last view is gone)."""

@@ -8,6 +8,7 @@
 # interrupt while a forward waits leaves nothing behind.
 
 import gc
+import threading
 import weakref
 
 import pytest
@@ -175,6 +176,50 @@ def test_a_wrapper_dropped_while_its_last_step_lands_finishes_that_step(monkeypa
     del off
     gc.collect()
     assert dropped() is None
+    for n, p in model.named_parameters():
+        assert torch.equal(p.detach(), want[n]), n
+
+
+def test_a_wrapper_the_collector_drops_on_the_worker_thread_finishes_its_last_step(monkeypatch):
+    """The garbage collector runs a finalizer on whichever thread allocates: here the worker,
+    inside a chunk of the step the dropped wrapper left landing. The finalizer waited for
+    that worker, itself, until the timeout, then dropped the queued chunks anyway."""
+    from cpu_offload import kernels
+
+    want_model, want_off, _ = train("adamw", overlap=False, steps=3)
+    want = {n: p.detach().clone() for n, p in want_model.named_parameters()}
+    want_off.close()
+    gate = Gate(monkeypatch)
+    model, off, _ = train("adamw", overlap=True, steps=2, gate=gate, timeout_s=5.0)
+    collect = threading.Event()
+    gated = kernels.adamw_step
+
+    def collecting(*args, **kwargs):
+        out = gated(*args, **kwargs)
+        if collect.is_set():
+            collect.clear()
+            gc.collect()  # NOTE: finalizers run here, on the worker thread
+        return out
+    monkeypatch.setattr(kernels, "adamw_step", collecting)
+    gate.close()
+    x, extra = batches(2, 1)[0]
+    model(x.to(torch.bfloat16), use_extra=extra).float().pow(2).mean().backward()
+    off.step()
+    worker, dropped = off._pipeline._thread, weakref.ref(off)
+    cycle = [off]
+    cycle.append(cycle)  # NOTE: only the collector frees it
+    gc.disable()
+    try:
+        del off, cycle
+        collect.set()
+        gate.opened.set()
+        worker.join(30)
+    finally:
+        gc.enable()
+    for thread in threading.enumerate():
+        if thread.name.startswith("cpu_offload"):
+            thread.join(30)
+    assert not worker.is_alive() and dropped() is None
     for n, p in model.named_parameters():
         assert torch.equal(p.detach(), want[n]), n
 
