@@ -146,7 +146,7 @@ class StepValidator:
         if math.isfinite(max_norm):
             self.clip_limit = max_norm if norm_type == 2.0 else None
             if norm_type == 2.0:
-                self._window_limit = min(max_norm, self._window_limit or math.inf)
+                self._window_limit = min(max_norm, math.inf if self._window_limit is None else self._window_limit)
         if not math.isfinite(total):
             return total
         if in_place:
@@ -199,7 +199,7 @@ class StepValidator:
         total = self.norm(2.0)
         self.grad_norm, self.clip_coef = total, clip_coefficient(self.max_grad_norm, total)
         self.option_coef = self.clip_coef
-        self.clip_limit = min(self.max_grad_norm, self._window_limit or math.inf)
+        self.clip_limit = min(self.max_grad_norm, math.inf if self._window_limit is None else self._window_limit)
 
     def _clip_by_option_again(self) -> None:
         """A clip_grad_norm_ or scale_grads_ after the option's clip comes before it."""
