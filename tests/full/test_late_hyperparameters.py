@@ -284,6 +284,14 @@ def test_the_clipping_limit_is_saved_checked_and_restored():
     fresh.close()
 
 
+def test_a_clip_to_zero_after_the_option_is_the_limit_saved():
+    """The smallest limit of the window is the one the next window expects; a limit of 0 was
+    read as none beside the optimizer's max_grad_norm, and 3.0 was saved."""
+    off, sd = stepped_once(clip=0.0, max_grad_norm=3.0)
+    assert {g["clip_limit"] for g in sd["param_groups"]} == {0.0}
+    off.close()
+
+
 @pytest.mark.parametrize("option", [None, 3.0])
 def test_a_clip_that_only_measures_the_norm_leaves_the_limit_and_the_checkpoint_loads(option):
     """HF Trainer with max_grad_norm=0 calls clip_grad_norm_(params, inf) every step, to log the
