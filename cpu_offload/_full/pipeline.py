@@ -363,7 +363,7 @@ class Pipeline:
             self._stop = True
             self._queue.clear()
             self._cv.notify_all()
-        if self._thread.is_alive() and self._thread is not threading.current_thread():
+        if self._thread.is_alive() and not self.on_worker_thread():
             self._thread.join(timeout=self.timeout_s)
         self._open = self._staging = None
         self._runner.forget_plans()
