@@ -215,11 +215,11 @@ class StateStaging:
     def run_step(self, step) -> None:
         """Copy the rest of the state in, run ``step()``, copy all of it out.
 
-        NOTE: a Ctrl-C lands after the whole of it: ``_copy_out`` points each state entry at
-        its host buffer before the copy that fills the buffer is issued, so an interrupt
-        between the two left the step's new moments lost behind already updated weights; and
-        an interrupt inside the wrapped step leaves some parameters stepped and others not.
-        So a Ctrl-C never leaves the step half taken."""
+        NOTE: a Ctrl-C lands after the whole of it: ``_copy_out`` issues every copy, then points
+        the state entries at their host buffers one by one, so an interrupt in between would
+        leave some entries on the device and others on the host; and an interrupt inside the
+        wrapped step leaves some parameters stepped and others not. So a Ctrl-C never leaves
+        the step half taken."""
         if self.refused is not None:
             raise RuntimeError(self.refused)
         start = time.perf_counter()
