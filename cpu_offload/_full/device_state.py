@@ -263,8 +263,10 @@ class DeviceState:
                     if rec.exp_avg is not None:
                         exp_avg.copy_(rec.exp_avg)
                         exp_avg_sq.copy_(rec.exp_avg_sq)
-                rec.master, rec.exp_avg, rec.exp_avg_sq = master, exp_avg, exp_avg_sq
-                rec.accum = torch.zeros(rec.numel, dtype=torch.float32, device=device) if self.accumulate else None
+                accum = torch.zeros(rec.numel, dtype=torch.float32, device=device) if self.accumulate else None
+                # NOTE: assigned only once all of its tensors exist: an out-of-memory error on
+                # any of them leaves the record whole on the host
+                rec.master, rec.exp_avg, rec.exp_avg_sq, rec.accum = master, exp_avg, exp_avg_sq, accum
                 rec.retained = None
                 rec.on_device = True
                 self._slot[id(rec)] = len(self.records)

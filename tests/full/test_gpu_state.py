@@ -4,7 +4,8 @@
 # moments, SignSGD, accumulation, zero-filled gradients, skipped steps); under clipping the
 # device records equal the reference stepped with each window's final coefficient; the
 # budget picks parameters spread evenly over the optimizer's order; checkpoints load across
-# splits; bad values are refused.
+# splits; bad values are refused; an out-of-memory error while "auto" moves state leaves each
+# record whole on the host or the device.
 import math
 import warnings
 
@@ -252,6 +253,43 @@ def test_auto_settles_after_three_windows_within_its_budget_and_trains_bit_for_b
     used = sum(r.numel * 12 for r in records_of(auto) if r.on_device)
     assert 0 < used <= budget and auto.stats()["gpu_state_bytes"] == used
     assert_same_state(state_of(host_model, host), state_of(auto_model, auto))  # across the move, bit for bit
+
+
+@pytest.mark.parametrize("fail_at", [1, 2, 3, 6])
+def test_an_out_of_memory_while_auto_moves_the_state_leaves_each_record_whole(monkeypatch, fail_at):
+    # grad_accum_steps=2: each record moved allocates its two moments and its accumulator on
+    # the device; an out-of-memory at the fail_at-th of them stops the move there
+    monkeypatch.setattr(device_state, "memory_reading", lambda device: (4 * GIB + 40_000, 1000))
+    host_model, host, _ = train("adamw", 2, 6, gpu_state=None)
+    model, off, _ = train("adamw", 2, 2, gpu_state="auto")
+    move, zeros, calls = off._device.add, torch.zeros, []
+
+    def zeros_until_out_of_memory(*args, **kwargs):
+        calls.append(1)
+        if len(calls) == fail_at:
+            raise torch.OutOfMemoryError("out of memory")
+        return zeros(*args, **kwargs)
+
+    def add_failing(records):
+        with monkeypatch.context() as m:
+            m.setattr(torch, "zeros", zeros_until_out_of_memory)
+            move(records)
+
+    monkeypatch.setattr(off._device, "add", add_failing)
+    train_step(model, off, 2, 2, loss_factor=3)
+    with pytest.warns(RuntimeWarning, match="stopped moving state to the device: out of memory"):
+        off.step()
+    off.zero_grad()
+    host_buffers = {t.untyped_storage().data_ptr() for t in (off._host.master, off._host.accum)}
+    for rec in records_of(off):
+        in_host = {t.untyped_storage().data_ptr() in host_buffers for t in (rec.master, rec.accum)}
+        assert in_host == {not rec.on_device}, rec.name
+    assert sum(r.on_device for r in records_of(off)) == (fail_at - 1) // 3
+    for s in range(3, 6):
+        train_step(model, off, s, 2, loss_factor=1 + s % 3)
+        off.step()
+        off.zero_grad()
+    assert_same_state(state_of(host_model, host), state_of(model, off))
 
 
 def test_auto_without_a_memory_reading_keeps_everything_on_the_host():
