@@ -692,6 +692,10 @@ class FullCPUOffloadOptimizer(WindowControls, torch.optim.Optimizer):
         ``zero_grad(set_to_none=False)`` left (as torch), else it does nothing.
         """
         self._enter()
+        # NOTE: what the torch optimizer's step(), patched by an LR scheduler built on it before
+        # wrapping, would note: it never runs here, and the scheduler would warn that its first
+        # step() came before the optimizer's
+        self.optimizer._opt_called = True
         loss = None
         if closure is not None:
             with torch.enable_grad():

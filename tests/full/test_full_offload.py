@@ -840,3 +840,23 @@ def test_a_loaded_state_dict_stays_the_callers_as_torch_copies_the_saved_groups(
         sched.step()
         assert float(snapshot["param_groups"][0]["lr"]) == float(torch.tensor(0.01))
     off.close()
+
+
+def test_a_scheduler_built_on_the_torch_optimizer_before_wrapping_steps_its_lr_without_a_false_warning():
+    # The common order: optimizer and scheduler built, then the optimizer wrapped. The
+    # scheduler watches the torch optimizer's step(), which the wrapper does not call.
+    model = nn.Linear(8, 4)
+    adamw = torch.optim.AdamW(model.parameters(), lr=0.01)
+    sched = torch.optim.lr_scheduler.LambdaLR(adamw, lambda epoch: 0.5 ** epoch)
+    off = FullCPUOffloadOptimizer(adamw, **SMALL)
+    lrs = []
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", UserWarning)
+        for _ in range(3):
+            model(torch.randn(16, 8, dtype=torch.bfloat16)).float().pow(2).mean().backward()
+            lrs.append(off.param_groups[0]["lr"])
+            off.step()
+            off.zero_grad()
+            sched.step()
+    assert lrs == [0.01, 0.005, 0.0025]
+    off.close()
