@@ -48,9 +48,11 @@ def check_unowned(records) -> None:
             entry = _owners.get(id(rec.param))
             if entry is not None and entry[0]() is rec.param and entry[1]() is not None:
                 raise RuntimeError(
-                    f"parameter {rec.name} is already driven by another full-offload optimizer; a parameter can "
-                    "have one owner: keep using the first one (or close() it and load its state_dict() into "
-                    "the new one) instead of wrapping again"
+                    f"parameter {rec.name} is already driven by another full-offload optimizer, whose fp32 masters "
+                    "hold its values; a parameter can have one owner: keep using the first one instead of wrapping "
+                    "again (Lightning calls configure_optimizers on every fit(): build the optimizer once there and "
+                    "return it again). To start a new one, close() the first, convert the parameters back with "
+                    "model.float() and load the first's state_dict() into the new one"
                 )
 
 

@@ -3,8 +3,9 @@
 # Trainer(accelerator="cpu", max_steps=20) on a tiny Llama built from a config
 # (nothing downloaded). The default mode gives bit-identical losses to plain
 # torch.optim.AdamW, with clipping and a short last accumulation window; full
-# offload stays within bf16 noise of Bf16MasterAdamW. Skipped, with the reason
-# shown, when lightning is not installed.
+# offload stays within bf16 noise of Bf16MasterAdamW; a second fit() reuses the wrapper
+# built once, and a second wrapper is refused saying so. Skipped, with the reason shown,
+# when lightning is not installed.
 
 import pytest
 import torch
@@ -92,6 +93,28 @@ def test_lightning_gradient_clip_val_clips_full_offload_like_the_option():
     Before, Lightning's clipping saw no gradient and clipped nothing, without a word."""
     option, framework = framework_clipping_and_option(lambda make, clip: train_lightning(make, n_rows=40, grad_accum=2, clip=clip)[0])
     assert framework == option
+
+
+def fit_twice(module, *, steps=4):
+    loader = torch.utils.data.DataLoader(token_rows(16), batch_size=2, shuffle=False)
+    for _ in range(2):
+        L.Trainer(accelerator="cpu", devices=1, max_steps=steps, logger=False, enable_checkpointing=False,
+                  enable_progress_bar=False, enable_model_summary=False).fit(module, loader)
+
+
+def test_a_second_fit_of_a_full_offload_module_reuses_its_wrapper_or_says_how_to():
+    # Lightning calls configure_optimizers on every fit(): a new wrapper over the parameters the
+    # first one still drives (its fp32 masters hold their values) is refused, saying to reuse it
+    make, once = FullOffloadMaker(grad_accum_steps=1), FullOffloadMaker(grad_accum_steps=1)
+    try:
+        with pytest.raises(RuntimeError, match="Lightning calls configure_optimizers on every fit"):
+            fit_twice(TinyLM(make))
+        module = TinyLM(lambda m: once.made[0] if once.made else once(m))  # the docs' recipe: build it once
+        fit_twice(module)
+        assert len(once.made) == 1 and {int(e["step"]) for e in module.opt.state.values()} == {8}
+    finally:
+        make.close()
+        once.close()
 
 
 class ValidatedLM(TinyLM):
