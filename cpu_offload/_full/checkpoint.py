@@ -42,8 +42,9 @@ CLIP_LIMIT_KEY = "clip_limit"
 def state_dict(opt, *, host_state: bool = True) -> dict:
     """torch's optimizer ``state_dict`` layout plus ``"master"`` per parameter.
 
-    Tensors are views of the live host state, as torch returns its live state
-    tensors; clone them to keep a snapshot. ``host_state=False``: the groups alone,
+    Tensors are the live state, as torch returns its live state tensors (the step counts
+    too: ``step`` is ``opt.state[p]["step"]``'s tensor, ``master_step`` one of its own kept
+    equal to the count); clone them to keep a snapshot. ``host_state=False``: the groups alone,
     marked ``HOST_STATE_KEPT`` (for a framework's device round trip, state_mapping.py).
 
     NOTE: plain dicts: torch DCP's in-place load (``_init_state_dict``) replaces
@@ -224,6 +225,7 @@ def load_state_dict(opt, sd: dict) -> None:
     with torch.no_grad():
         for rec, step, tensors in plan:
             rec.step = step
+            rec.show_step(over_edit=True)  # NOTE: the loaded count replaces an edit not taken
             for key in ("exp_avg", "exp_avg_sq"):
                 flat = getattr(rec, key)
                 if flat is not None and key not in tensors:

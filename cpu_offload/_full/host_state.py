@@ -10,6 +10,7 @@
 
 from __future__ import annotations
 
+import weakref
 from dataclasses import dataclass, field
 from typing import Iterable, Optional
 
@@ -21,7 +22,7 @@ from cpu_offload._common.dtensor import is_dtensor, local_of
 __all__ = [
     "ParamRecord", "HostBuffers", "collect_records", "check_fsdp_not_started", "host_bytes_needed",
     "available_host_ram", "check_host_ram", "allocate_host_state", "cast_param", "cast_to_compute", "restore_dtypes",
-    "note_versions", "adopt_external_weights", "adopt_edits_before_step", "write_compute_copies",
+    "note_versions", "adopt_external_weights", "adopt_edits_before_step", "write_compute_copies", "show_steps",
 ]
 
 # Elements per 64-byte line of fp32: every per-parameter view starts aligned.
@@ -49,6 +50,12 @@ class ParamRecord:
     exp_avg_sq: Optional[torch.Tensor] = None  # v, flat host view in the state dtype (AdamW)
     accum: Optional[torch.Tensor] = None  # fp32 flat host view (grad_accum_steps > 1)
     step: int = 0  # completed optimizer steps: grows exactly when the master changed
+    # The step count as the user sees it (torch's ``state["step"]``): live 0-d float32 tensors,
+    # made when first handed out, given ``step`` by ``show_step`` (state_mapping.py)
+    step_tensor: Optional[torch.Tensor] = field(default=None, repr=False)  # opt.state's and state_dict()'s "step"
+    master_step_ref: Optional[weakref.ref] = field(default=None, repr=False)  # state_dict()'s "master_step"
+    shown_step: int = 0  # the count they were last given
+    shown_value: float = 0.0  # ``step_tensor``'s value then (float32): another value is the user's edit
     version: Optional[tuple] = None  # the compute copy's version counters and storage when the library last wrote it
     holds_grad: bool = False  # torch would hold a (zero) .grad for it: got one, not zeroed with set_to_none
     on_device: bool = False  # its state lives on the device and is stepped there (device_state.py)
@@ -96,6 +103,46 @@ class ParamRecord:
         if self.stepped:
             self.step -= 1
         self.pieces_done = 0
+
+    # NOTE: the user-visible count is written on the training thread only, where ``step`` is
+    # still (never from the worker's piece_stepped): at the end of step(), when a landing
+    # window lands, and where a load or an assignment sets it. An edit of ``step_tensor``
+    # (any value other than ``shown_value``) is the user's, taken by the optimizer
+    # (state_mapping.step_edits) before the count is next used.
+    def live_step(self) -> torch.Tensor:
+        """The step count as one live 0-d float32 tensor (made at the first call)."""
+        if self.step_tensor is None:
+            self.step_tensor = torch.tensor(float(self.step), dtype=torch.float32)
+            self.shown_step, self.shown_value = self.step, self.step_tensor.item()
+        return self.step_tensor
+
+    def live_master_step(self) -> torch.Tensor:
+        """The count the master belongs to, as a live 0-d float32 tensor apart from ``live_step()``'s
+        (a torch optimizer that loads a checkpoint steps ``step`` in place and leaves this one,
+        checkpoint.py): the one handed out before while it is held, else a new one."""
+        self.live_step()  # NOTE: gives shown_step its value the first time
+        master_step = None if self.master_step_ref is None else self.master_step_ref()
+        if master_step is None:
+            master_step = torch.tensor(float(self.shown_step), dtype=torch.float32)
+            self.master_step_ref = weakref.ref(master_step)
+        return master_step
+
+    def step_edited(self) -> bool:
+        """The live step tensor was written since the library last gave it the count."""
+        return self.step_tensor is not None and self.step_tensor.item() != self.shown_value
+
+    def show_step(self, *, over_edit: bool = False) -> None:
+        """The live tensors <- the count, where it changed since they were given it. An edit of
+        the step tensor not taken yet stays (the count the next step takes), unless ``over_edit``
+        (a load, an assignment, an edit taken or undone)."""
+        if self.step_tensor is None or (not over_edit and (self.step == self.shown_step or self.step_edited())):
+            return
+        value = float(self.step)
+        self.step_tensor.fill_(value)
+        master_step = None if self.master_step_ref is None else self.master_step_ref()
+        if master_step is not None:
+            master_step.fill_(value)
+        self.shown_step, self.shown_value = self.step, self.step_tensor.item()
 
     def reset_window(self) -> None:
         self.has_accum = False
@@ -417,3 +464,10 @@ def write_compute_copies(records: Iterable[ParamRecord]) -> None:
             local = rec.local()
             local.detach().view(-1).copy_(rec.master.to(local.dtype))
     note_versions(records)
+
+
+def show_steps(records: Iterable[ParamRecord]) -> None:
+    """The live step tensors handed out <- their record's count (ParamRecord.show_step)."""
+    for rec in records:
+        if rec.step_tensor is not None:
+            rec.show_step()

@@ -42,7 +42,7 @@ from cpu_offload._common.backward_end import NextForwardHook, outside_backward, 
 from cpu_offload._full.host_state import (
     adopt_edits_before_step, adopt_external_weights, allocate_host_state, allocate_retained, available_host_ram,
     cast_to_compute, check_fsdp_not_started, check_host_ram,
-    collect_records, host_bytes_needed, note_versions, restore_dtypes, write_compute_copies,
+    collect_records, host_bytes_needed, note_versions, restore_dtypes, show_steps, write_compute_copies,
 )
 from cpu_offload._common.dtensor import local_of
 from cpu_offload._full.dtype_hint import watch_first_forward
@@ -54,7 +54,7 @@ from cpu_offload._full.options import (
 from cpu_offload._full.binding import bind_for
 from cpu_offload._full.pipeline import Pipeline
 from cpu_offload._full.protocol import Phase, ProtocolError, ProtocolState
-from cpu_offload._full.state_mapping import StateMapping, for_device_placement
+from cpu_offload._full.state_mapping import StateMapping, for_device_placement, step_edits, take_step_edits
 from cpu_offload._full.validation import StepValidator
 from cpu_offload._full.trace import trace_from_env
 from cpu_offload._full.transfer import HostRing, make_transfer
@@ -135,13 +135,24 @@ _STEP_APPLIED = ("full offload applies the step's update during the window's las
                  "the step's already, where torch's optimizer would show the one before it; call it after step()")
 
 
-def _late_edits_error(records, call: str) -> RuntimeError:
-    """The error for weights changed in place after their update ran in the window's last backward."""
-    return RuntimeError(
-        f"cpu_offload: {[r.name for r in records][:8]} changed in place after the window's last backward pass and "
-        f"before {call}; with offload='full' that backward had already applied their update, so it could not update "
-        "the changed weights as torch's step() would. The change was undone: the weights are this step's result. "
-        "Change weights after step(), or before the window's last backward pass")
+def _late_edits_error(records, call: str, counts=()) -> RuntimeError:
+    """The error for weights (``records``) and step counts (``counts``: their records) changed
+    in place after their update ran in the window's last backward."""
+    said = []
+    if records:
+        said.append(
+            f"cpu_offload: {[r.name for r in records][:8]} changed in place after the window's last backward pass and "
+            f"before {call}; with offload='full' that backward had already applied their update, so it could not "
+            "update the changed weights as torch's step() would. The change was undone: the weights are this step's "
+            "result. Change weights after step(), or before the window's last backward pass")
+    if counts:
+        said.append(
+            f"cpu_offload: the step counts of {[r.name for r in counts][:8]} (opt.state[p]['step']) changed in place "
+            f"after the window's last backward pass and before {call}; with offload='full' that backward had already "
+            "applied their update with the count as it was, so the changed count could not be used as torch's step() "
+            "would. The change was undone: the counts are this step's result. Change step counts after step(), or "
+            "before the window's last backward pass")
+    return RuntimeError(". ".join(said))
 
 
 def _param_ids(param_groups) -> list:
@@ -495,8 +506,11 @@ class FullCPUOffloadOptimizer(WindowControls, torch.optim.Optimizer):
             self._check_parameters()
         if new_window or self._proto.final:
             # NOTE: also before the window's last pass: an edit between two passes is the
-            # weight the step (run during that pass) updates, as in torch's step()
+            # weight the step (run during that pass) updates, as in torch's step(); the same
+            # for a step count written in place (a bad one raises here, before anything changes)
+            counts = step_edits(self._records)
             adopt_external_weights(self._records)
+            take_step_edits(counts)
         # NOTE: hyper-parameters are read when the last backward of a window
         # starts (the chunks are stepped during it), so an LR scheduler stepped
         # after step() applies to the next step, as with torch.
@@ -715,6 +729,7 @@ class FullCPUOffloadOptimizer(WindowControls, torch.optim.Optimizer):
         # NOTE: read as torch's step() reads them: values set since the last backward began
         # make the step be redone with them (validation.py); a bad one raises before anything changes
         current = self._read_hparams()
+        late_counts = self._take_count_edits()  # NOTE: a bad count raises before anything changes
         late_edits = self._take_edits_before_step()
         # NOTE: IDLE here: after zero_grad(set_to_none=False) torch's step() steps every parameter
         # holding a gradient, here zeros, though no backward ran: a window of no passes.
@@ -736,11 +751,13 @@ class FullCPUOffloadOptimizer(WindowControls, torch.optim.Optimizer):
         # and the window closed, so the state is the one after this step.
         with deferred_interrupts():
             self._finish_step(passes, t0, blocked_before, current)
-            if late_edits:
+            if late_edits or late_counts:
                 # NOTE: raised inside the block: a Ctrl-C held back here is raised with it as context
                 write_compute_copies(late_edits)  # the edits are undone
+                for rec in late_counts:
+                    rec.show_step(over_edit=True)
                 self._pipeline.trace.mark("step_end")
-                raise _late_edits_error(late_edits, "step()")
+                raise _late_edits_error(late_edits, "step()", late_counts)
         self._pipeline.trace.mark("step_end")
         return loss
 
@@ -771,6 +788,23 @@ class FullCPUOffloadOptimizer(WindowControls, torch.optim.Optimizer):
             return adopt_edits_before_step([r for r in self._records if not r.on_device])
         return []
 
+    def _take_count_edits(self) -> list:
+        """step() begins (or zero_grad(), close() close the window after its last backward): a
+        record whose window step has not run takes the count written into its live step tensor
+        since the library last wrote it (its step counts from it, as in torch's step()); returns
+        those whose step already ran, or with overlap_forward may be running, and whose count was
+        edited: their edit cannot be honoured. A bad count raises before anything changes.
+
+        NOTE: the live tensors are written on this thread only, so an edit is seen whatever the
+        worker does (unlike an edit of the weights)."""
+        edits = step_edits(self._records)
+        if not edits:
+            return []
+        running = self._proto.phase is Phase.APPLIED and not self._proto.landed and self._overlap
+        late = [rec for rec, _ in edits if rec.pieces_done or (running and rec.pieces_total and not rec.on_device)]
+        take_step_edits([(rec, count) for rec, count in edits if rec not in late])
+        return late
+
     def _finish_step(self, passes: int, t0: float, blocked_before: float, hparams: list) -> None:
         """``blocked_before``: the window's blocked time up to this step() call, whose own
         time (its guarded work included) counts once, from ``t0``; ``hparams``: the groups'
@@ -798,6 +832,7 @@ class FullCPUOffloadOptimizer(WindowControls, torch.optim.Optimizer):
         self._proto.landing = landing
         if not landing:
             self._note_stats()
+            show_steps(self._records)
         self._settle_split()
 
     def _note_stats(self) -> None:
@@ -861,6 +896,7 @@ class FullCPUOffloadOptimizer(WindowControls, torch.optim.Optimizer):
             reset_window(self._records, self._pipeline)
             self._proto.landing = False
             self._note_stats()
+            show_steps(self._records)
         if err is not None:
             err.args = (f"{err.args[0]}; after step() returned, so {len(stepped)} of {len(self._records)} parameters "
                         f"took that step and {unfinished[:8]} did not (as if they had no gradient)"
@@ -900,7 +936,7 @@ class FullCPUOffloadOptimizer(WindowControls, torch.optim.Optimizer):
                 rec.holds_grad = False
 
     def _drop_window(self, set_to_none: bool) -> None:
-        late_edits = []
+        late_edits = None
         if self._proto.phase is Phase.ACCUMULATING:
             self._close_window(abandoned=True)
         elif self._proto.phase is Phase.IDLE:
@@ -919,26 +955,31 @@ class FullCPUOffloadOptimizer(WindowControls, torch.optim.Optimizer):
                         p.grad = None
                     else:
                         p.grad.detach_().zero_()
-        if late_edits:  # NOTE: raised inside zero_grad()'s deferred-interrupt block, as in step()
-            raise _late_edits_error(late_edits, "zero_grad()")
+        if late_edits is not None:  # NOTE: raised inside zero_grad()'s deferred-interrupt block, as in step()
+            raise late_edits
 
-    def _close_without_step(self, call: str) -> list:
+    def _close_without_step(self, call: str) -> Optional[RuntimeError]:
         """``call`` (zero_grad(), close()) after the window's last backward, with no step():
         the update that backward applied stays applied and counts, and the window closes as
-        step() closes it, with the hyper-parameters of that backward. Returns the host records
-        changed in place after their update ran, their change undone (the caller raises)."""
+        step() closes it, with the hyper-parameters of that backward. Returns the error naming
+        the host records whose weights or step counts were changed in place after their update
+        ran, their change undone (the caller raises it), or None."""
+        late_counts = self._take_count_edits()
         late_edits = self._take_edits_before_step()
         self._guarded(self._validator.apply)
         self._guarded(self._step_device_state)
         self._guarded(lambda: land_window(self._records, self._pipeline, self._transfer))
         self._close_window()
         write_compute_copies(late_edits)
+        show_steps(self._records)
+        for rec in late_counts:
+            rec.show_step(over_edit=True)
         if not self._proto.warned_zero_grad:
             self._proto.warned_zero_grad = True
             warnings.warn(f"cpu_offload: {call} without step() after a window's last backward pass: full offload "
                           "applied that update during backward; it stays applied and counts as a step",
                           RuntimeWarning, stacklevel=_user_stacklevel())
-        return late_edits
+        return _late_edits_error(late_edits, call, late_counts) if late_edits or late_counts else None
 
     def add_param_group(self, param_group) -> None:
         raise RuntimeError(
@@ -950,8 +991,9 @@ class FullCPUOffloadOptimizer(WindowControls, torch.optim.Optimizer):
     @property
     def state(self):
         """``{param: {"step", "master", "exp_avg", "exp_avg_sq"}}``: one mapping, built at construction,
-        of live views of the host state, for every trainable parameter (step 0 and zero moments before
-        its first step). Assigning a key copies the values in, between steps (state_mapping.py)."""
+        of live views of the host state (the step count one live tensor), for every trainable parameter
+        (step 0 and zero moments before its first step). Assigning a key copies the values in, between
+        steps (state_mapping.py)."""
         return self._state
 
     @state.setter
@@ -969,6 +1011,7 @@ class FullCPUOffloadOptimizer(WindowControls, torch.optim.Optimizer):
         if self._proto.phase is Phase.APPLIED:
             raise RuntimeError(f"state_dict() {Phase.APPLIED.value}: {_STEP_APPLIED}")
         adopt_external_weights(self._records)
+        show_steps(self._records)  # NOTE: an edit of a step count stays: the entry's step is that tensor
         host_state = not for_device_placement()  # accelerate's set-up round trip moves nothing
         return state_dict_with_hooks(self, lambda: checkpoint.state_dict(self, host_state=host_state))
 
@@ -1065,7 +1108,7 @@ class FullCPUOffloadOptimizer(WindowControls, torch.optim.Optimizer):
         """Remove the hooks, stop the worker and free the staging rings. Idempotent."""
         if self._proto.phase is Phase.CLOSED:
             return
-        late_edits = []
+        late_edits = None
         try:
             self._settle()  # NOTE: a backward that raised is recovered first: its chunks still count
             self._land()  # NOTE: the last step's weights land before the worker stops
@@ -1081,8 +1124,8 @@ class FullCPUOffloadOptimizer(WindowControls, torch.optim.Optimizer):
             self._release()
             raise
         self._release()
-        if late_edits:
-            raise _late_edits_error(late_edits, "close()")
+        if late_edits is not None:
+            raise late_edits
 
     def _release(self) -> None:
         with deferred_interrupts():  # NOTE: whole, as the finalizer it runs

@@ -33,7 +33,10 @@
 # lookup, every trainable parameter from construction on (torch DCP's
 # ``_init_optim_state`` fake-steps an optimizer whose state is empty, which
 # full offload cannot take). Writes (``opt.state[p]["exp_avg"] = t``) copy the
-# values into the host state, between steps only.
+# values into the host state, between steps only. The step count is one live 0-d tensor
+# per parameter, as torch's (made at the first read: ParamRecord.live_step), shared with
+# ``state_dict()``'s entry; written in place, it is taken as an assignment when the count is
+# next used (``step_edits``: the optimizer takes them where it takes weights edited in place).
 #
 # Non-goals: the checkpoint format and its validation (checkpoint.py).
 
@@ -51,7 +54,7 @@ from cpu_offload._common.dtensor import as_dtensor_like, local_of
 from cpu_offload._full.host_state import ParamRecord, write_compute_copies
 
 __all__ = ["SavedEntry", "StateEntry", "NoState", "StateMapping", "HOST_STATE_KEPT", "for_device_placement", "host_value",
-           "step_value", "MASTER_STEP"]
+           "step_value", "step_edits", "take_step_edits", "MASTER_STEP"]
 
 # Param-group key of a state_dict that holds no state because the state stayed on the host.
 HOST_STATE_KEPT = "host_state_kept"
@@ -121,6 +124,20 @@ def step_value(value, where: str, rec: ParamRecord) -> int:
     return int(step)
 
 
+def step_edits(records) -> list:
+    """``[(rec, count)]``: the step counts written in place into the live step tensors
+    (``opt.state[p]["step"]``, a ``state_dict()``'s ``step``) since the library last wrote
+    them, each checked as an assignment is: a bad one raises before anything changes."""
+    edited = [rec for rec in records if rec.step_tensor is not None and rec.step_edited()]
+    return [(rec, step_value(rec.step_tensor, f"opt.state[{rec.name}]['step']", rec)) for rec in edited]
+
+
+def take_step_edits(edits) -> None:
+    """The edited counts become the records' counts, as ``opt.state[p]["step"] = count`` would."""
+    for rec, count in edits:
+        rec.step = count
+        rec.show_step(over_edit=True)
+
 
 class SavedEntry(Mapping):
     """One parameter's ``state_dict()`` entry: a fixed mapping of tensors
@@ -152,18 +169,20 @@ def host_keys(rec: ParamRecord) -> tuple:
 
 
 def saved_entry(rec: ParamRecord) -> SavedEntry:
-    """A ``state_dict()`` entry: the step count and the master's (new tensors, the same
-    number: checkpoint.py says why there are two) and views of the host buffers."""
-    out = {"step": torch.tensor(float(rec.step), dtype=torch.float32)}
+    """A ``state_dict()`` entry, all live: the step count (``opt.state[p]["step"]``'s tensor, as
+    torch's entry is its state), the master's count (its own tensor: checkpoint.py says why
+    there are two) and views of the host buffers."""
+    out = {"step": rec.live_step()}
     for key in host_keys(rec):
         out[key] = as_dtensor_like(getattr(rec, key).view(rec.shape), rec.param)
-    out[MASTER_STEP] = torch.tensor(float(rec.step), dtype=torch.float32)
+    out[MASTER_STEP] = rec.live_master_step()
     return SavedEntry(out)
 
 
 class StateEntry:
-    """Live view of one parameter's host state: ``step`` (a new 0-d tensor per
-    read), ``master``, ``exp_avg``, ``exp_avg_sq`` (views of the host buffers).
+    """Live view of one parameter's host state: ``step`` (one live 0-d float32 tensor, as
+    torch's; an in-place edit counts as an assignment), ``master``, ``exp_avg``,
+    ``exp_avg_sq`` (views of the host buffers).
 
     ``entry[key] = value`` copies ``value`` into the host state (any device or
     float dtype; the moments are rounded to their stored dtype); ``"master"``
@@ -188,7 +207,9 @@ class StateEntry:
             raise KeyError(key)
         self._read_guard(f"reading opt.state[{rec.name}][{key!r}]")
         if key == "step":
-            return torch.tensor(float(rec.step), dtype=torch.float32)
+            step = rec.live_step()
+            rec.show_step()  # NOTE: a count changed where no step ended (a backward that raised)
+            return step
         flat = getattr(rec, key)
         cached = self._views.get(key)
         if cached is None or cached[0] is not flat:  # NOTE: gpu_state="auto" may move the state once
@@ -212,6 +233,7 @@ class StateEntry:
         with torch.no_grad():
             if key == "step":
                 rec.step = checked
+                rec.show_step(over_edit=True)
                 return
             flat = getattr(rec, key)
             if checked.data_ptr() != flat.data_ptr() or checked.device != flat.device:

@@ -1,13 +1,20 @@
 # opt.state of full offload: one persistent mapping, O(1) per lookup, whose
-# per-parameter entries write through into the host state between steps.
+# per-parameter entries write through into the host state between steps. The step count is
+# one live tensor, as torch's: an in-place edit counts like an assignment (refused loudly
+# where the window's step already ran), and an uncloned state_dict() stays the live state.
 import copy
+import io
 import time
+import warnings
 
 import pytest
 import torch
 import torch.nn as nn
 
 import cpu_offload
+from cpu_offload._full.optimizer import FullCPUOffloadOptimizer
+from cpu_offload.reference import adamw_reference_
+from helpers import HALF_STATE, SMALL, assert_same_state, batches, build, named, snapshot
 
 
 def _full(params, **options):
@@ -242,3 +249,237 @@ def test_state_reads_after_step_land_the_overlapped_step_first(monkeypatch):
         assert float(off.state[w]["step"]) == 3 and not off.state[w]["exp_avg"].any()
     finally:
         off.close()
+
+
+# ------------------------------------------------ step counts: live tensors, as torch's
+
+HP = dict(lr=1e-2, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1)
+EDITED = 10  # the count written in place
+
+
+def _net():
+    torch.manual_seed(5)
+    return nn.Sequential(nn.Linear(8, 16), nn.GELU(), nn.Linear(16, 4))
+
+
+def _x(s, m):
+    return torch.randn(3, 8, generator=torch.Generator().manual_seed(10 * s + m))
+
+
+def _train_with_an_edit(offload, k, edit_at, windows=4):
+    """``windows`` windows of ``k`` backward passes; before pass ``edit_at`` (window, pass)
+    the first weight's step tensor is written in place. Returns the weights, the count read
+    back after the edit and after each step, and each window's gradients per pass."""
+    model = _net()
+    grads = {}
+    for n, p in model.named_parameters():  # NOTE: registered first: runs before the offload hook
+        p.register_post_accumulate_grad_hook(lambda p, n=n: grads.setdefault(n, []).append(p.grad.detach().clone()))
+    opt = torch.optim.AdamW(model.parameters(), **HP)
+    if offload:
+        opt = cpu_offload.offload_optimizer(opt, offload="full", grad_accum_steps=k, compute_dtype=torch.float32,
+                                            pinned_bytes=1 << 16, num_slots=2)
+    w = model[0].weight
+    counts, history = [], []
+    try:
+        for s in range(windows):
+            grads.clear()
+            for m in range(k):
+                if (s, m) == edit_at:
+                    step = opt.state[w]["step"]
+                    with torch.no_grad():
+                        step.fill_(float(EDITED))
+                    counts.append(float(opt.state[w]["step"]))
+                model(_x(s, m)).pow(2).mean().backward()
+            opt.step()
+            opt.zero_grad()
+            counts.append(float(opt.state[w]["step"]))
+            history.append({n: list(g) for n, g in grads.items()})
+        if offload:
+            entry, saved = opt.state[w], opt.state_dict()["state"][0]
+            assert entry["step"] is entry["step"] and saved["step"] is entry["step"]  # one live tensor, as torch's
+            assert saved["master_step"] is not saved["step"] and float(saved["master_step"]) == float(saved["step"])
+    finally:
+        if offload:
+            opt.close()
+    return [p.detach().clone() for p in model.parameters()], counts, history
+
+
+def _replay(history, edited_window):
+    """The reference AdamW over the captured gradients (summed in arrival order, as the host
+    accumulator), the first weight's count set to EDITED before window ``edited_window``."""
+    model = _net()
+    state = {n: [0, torch.zeros_like(p), torch.zeros_like(p)] for n, p in model.named_parameters()}
+    for s, grads in enumerate(history):
+        if s == edited_window:
+            state["0.weight"][0] = EDITED
+        for n, p in model.named_parameters():
+            total = grads[n][0].clone()
+            for g in grads[n][1:]:
+                total += g
+            state[n][0] += 1
+            with torch.no_grad():
+                adamw_reference_(p, total, state[n][1], state[n][2], state[n][0], lr=HP["lr"], beta1=HP["betas"][0],
+                                 beta2=HP["betas"][1], eps=HP["eps"], weight_decay=HP["weight_decay"])
+    return [p.detach() for p in model.parameters()]
+
+
+@pytest.mark.parametrize("k, edit_at", [(1, (2, 0)), (2, (2, 0)), (2, (2, 1))],
+                         ids=["between steps", "between windows, k=2", "between the two backwards"])
+def test_a_step_count_edited_in_place_is_the_count_the_step_takes_as_torch(k, edit_at):
+    """``opt.state[p]["step"]`` was a new tensor per read: writing into it in place was
+    ignored without a word, where torch's step counts from it (read back 10, then 11 after
+    the step; here 1, then 2, and the weights differed by 3.5e-3). It is now one live tensor
+    whose edit is taken before the count is next used: the counts read back are torch's,
+    the weights the reference's with the edited count, bit for bit."""
+    got, got_counts, history = _train_with_an_edit(True, k, edit_at)
+    want, want_counts, _ = _train_with_an_edit(False, k, edit_at)
+    assert got_counts == want_counts, (got_counts, want_counts)
+    for a, b in zip(got, _replay(history, edit_at[0])):
+        assert torch.equal(a, b)
+    for a, b in zip(got, want):  # torch's kernel rounds differently: the same steps, to a few ulps
+        torch.testing.assert_close(a, b, rtol=0, atol=1e-6)
+
+
+@pytest.mark.filterwarnings("ignore:cpu_offload. zero_grad.. without step")
+@pytest.mark.parametrize("call", ["step", "zero_grad"])
+@pytest.mark.parametrize("k", [1, 2])
+def test_a_step_count_edited_after_the_windows_last_backward_raises_and_is_undone(k, call):
+    """The window's last backward already stepped with the count as it was: an edit of the
+    step tensor after it cannot be the count that step used. step() (or zero_grad(), which
+    keeps that update) finishes the step, writes the step's count back and raises naming the
+    parameter; the state is the step's exact result and training goes on."""
+    twin_model, model = _net(), _net()
+    twin, opt = (_full(m.parameters(), grad_accum_steps=k, compute_dtype=torch.float32) for m in (twin_model, model))
+    step = opt.state[model[0].weight]["step"]  # held from the start
+    try:
+        for s in range(2):
+            for m in range(k):
+                for net in (twin_model, model):
+                    net(_x(s, m)).pow(2).mean().backward()
+            if s == 1:
+                with torch.no_grad():
+                    step.fill_(float(EDITED))
+                with pytest.raises(RuntimeError, match=r"step counts of \['param_groups\[0\]\[0\]'\] \(opt.state"
+                                                       rf".*changed in place after the window's last backward pass "
+                                                       rf"and before {call}\(\).*undone"):
+                    getattr(opt, call)()
+            else:
+                opt.step()
+            twin.step()
+            for o in (twin, opt):
+                o.zero_grad()
+        assert float(step) == 2 and step is opt.state[model[0].weight]["step"]
+        assert_same_state(snapshot(twin), snapshot(opt))
+        for net in (twin_model, model):
+            net(_x(2, 0)).pow(2).mean().backward()
+        for o in (twin, opt):
+            o.step()
+        assert_same_state(snapshot(twin), snapshot(opt))
+    finally:
+        twin.close()
+        opt.close()
+
+
+@pytest.mark.filterwarnings("ignore:cpu_offload. backward pass 1 of 1 raised")
+@pytest.mark.parametrize("bad", [-1.0, 1.5, float("nan")], ids=["-1", "1.5", "nan"])
+@pytest.mark.parametrize("where", ["next backward", "step() of a short window"])
+def test_a_bad_step_count_edited_in_place_raises_naming_the_entry_and_changes_nothing(where, bad):
+    """A count written in place is checked as an assignment is, when it is taken: a bad one
+    raises a ValueError naming the entry before anything changes; set right, training goes on."""
+    model = _net()
+    opt = _full(model.parameters(), grad_accum_steps=2 if where.startswith("step") else 1)
+    w, x = model[0].weight, _x(0, 0).to(torch.bfloat16)
+    try:
+        if where == "next backward":
+            model(x).float().sum().backward()
+            opt.step()
+            opt.zero_grad()
+        else:
+            model(x).float().sum().backward()  # 1 of 2 passes
+        before, weights = snapshot(opt), [p.detach().clone() for p in model.parameters()]
+        step = opt.state[w]["step"]
+        count = float(step)
+        with torch.no_grad():
+            step.fill_(bad)
+        with pytest.raises(ValueError, match=r"opt.state\[param_groups\[0\]\[0\]\]\['step'\] .*must be a "
+                                             r"non-negative whole number"):
+            if where == "next backward":
+                model(x).float().sum().backward()
+            else:
+                opt.step()
+        assert_same_state(before, snapshot(opt))
+        assert all(torch.equal(a, p.detach()) for a, p in zip(weights, model.parameters()))
+        with torch.no_grad():
+            step.fill_(count)
+        if where == "next backward":
+            opt.zero_grad()  # the backward that raised is dropped
+            model(x).float().sum().backward()
+        opt.step()
+        assert float(opt.state[w]["step"]) == count + 1
+    finally:
+        opt.close()
+
+
+def _roundtrip(obj):
+    buf = io.BytesIO()
+    torch.save(obj, buf)
+    buf.seek(0)
+    return torch.load(buf)
+
+
+@pytest.mark.parametrize("gpu_state", [None, HALF_STATE], ids=["host", "split"])
+def test_an_uncloned_state_dict_is_the_live_state_as_torchs(gpu_state):
+    """state_dict() gave live views of the masters and moments but new tensors of the step
+    counts: taken at step 2 and loaded after step 5 (the same optimizer, or a fresh one), it
+    paired step-5 moments with count 2 without a word (the count went back to 2; the resume
+    differed by 8.8e-4). Every entry is live now, as torch's: the reload changes nothing, a
+    fresh wrapper resumes bit for bit, and the dict saved after step 5 holds step 5 whole."""
+    def wrapped():
+        model, opt = build("adamw")
+        return model, FullCPUOffloadOptimizer(opt, gpu_state=gpu_state, **SMALL)
+
+    def train(model, off, steps):
+        for s in steps:
+            ((x, extra),) = batches(s, 1)
+            model(x.to(torch.bfloat16), use_extra=extra).float().pow(2).mean().backward()
+            off.step()
+            off.zero_grad()
+
+    def state_of(model, off):
+        return {n: (r.master.clone(), r.exp_avg.clone(), r.exp_avg_sq.clone(), r.step, r.param.detach().clone())
+                for n, r in named(model, off).items()}
+
+    runs = []
+    try:
+        model_a, a = wrapped()
+        runs.append(a)
+        train(model_a, a, range(7))  # not interrupted
+        model, off = wrapped()
+        runs.append(off)
+        train(model, off, range(2))
+        sd = off.state_dict()
+        train(model, off, range(2, 5))
+        saved = _roundtrip(sd)
+        for rec in named(model, off).values():
+            entry = saved["state"][rec.index]
+            assert float(entry["step"]) == float(entry["master_step"]) == rec.step
+            assert torch.equal(entry["master"].reshape(-1), rec.master.cpu())
+        before = state_of(model, off)
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")
+            off.load_state_dict(sd)
+        assert_same_state(before, state_of(model, off))
+        resumed = [(model, off)]
+        for source in (sd, saved):  # NOTE: sd is off's live state: loaded before off trains on
+            model_c, c = wrapped()
+            runs.append(c)
+            with warnings.catch_warnings():
+                warnings.simplefilter("error")
+                c.load_state_dict(source)
+            resumed.append((model_c, c))
+        for model_c, c in resumed:
+            train(model_c, c, range(5, 7))
+            assert_same_state(state_of(model_a, a), state_of(model_c, c))
+    finally:
+        for o in runs:
+            o.close()
