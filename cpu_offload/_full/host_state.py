@@ -53,6 +53,7 @@ class ParamRecord:
     # The step count as the user sees it (torch's ``state["step"]``): live 0-d float32 tensors,
     # made when first handed out, given ``step`` by ``show_step`` (state_mapping.py)
     step_tensor: Optional[torch.Tensor] = field(default=None, repr=False)  # opt.state's and state_dict()'s "step"
+    step_view: object = field(default=None, repr=False)  # ``step_tensor``'s memory as a 0-d numpy array
     master_step_ref: Optional[weakref.ref] = field(default=None, repr=False)  # state_dict()'s "master_step"
     shown_step: int = 0  # the count they were last given
     shown_value: float = 0.0  # ``step_tensor``'s value then (float32): another value is the user's edit
@@ -113,7 +114,10 @@ class ParamRecord:
         """The step count as one live 0-d float32 tensor (made at the first call)."""
         if self.step_tensor is None:
             self.step_tensor = torch.tensor(float(self.step), dtype=torch.float32)
-            self.shown_step, self.shown_value = self.step, self.step_tensor.item()
+            # NOTE: read and written through numpy, about 0.04 us against fill_'s 0.7 us: every
+            # step() reads and writes each count handed out
+            self.step_view = self.step_tensor.numpy()
+            self.shown_step, self.shown_value = self.step, float(self.step_view)
         return self.step_tensor
 
     def live_master_step(self) -> torch.Tensor:
@@ -129,7 +133,7 @@ class ParamRecord:
 
     def step_edited(self) -> bool:
         """The live step tensor was written since the library last gave it the count."""
-        return self.step_tensor is not None and self.step_tensor.item() != self.shown_value
+        return self.step_tensor is not None and float(self.step_view) != self.shown_value
 
     def show_step(self, *, over_edit: bool = False) -> None:
         """The live tensors <- the count, where it changed since they were given it. An edit of
@@ -138,11 +142,11 @@ class ParamRecord:
         if self.step_tensor is None or (not over_edit and (self.step == self.shown_step or self.step_edited())):
             return
         value = float(self.step)
-        self.step_tensor.fill_(value)
+        self.step_view[()] = value
         master_step = None if self.master_step_ref is None else self.master_step_ref()
         if master_step is not None:
             master_step.fill_(value)
-        self.shown_step, self.shown_value = self.step, self.step_tensor.item()
+        self.shown_step, self.shown_value = self.step, float(self.step_view)
 
     def reset_window(self) -> None:
         self.has_accum = False
