@@ -1016,13 +1016,20 @@ class FullCPUOffloadOptimizer(WindowControls, torch.optim.Optimizer):
         return state_dict_with_hooks(self, lambda: checkpoint.state_dict(self, host_state=host_state))
 
     def load_state_dict(self, state_dict: dict) -> None:
+        """torch's, with the masters (checkpoint.py): the whole dict is checked before anything
+        is written. Refused in the middle of an accumulation window and between the window's
+        last backward and step(), where it changes nothing."""
         self._check_between_steps("load_state_dict()")
-        if self._proto.phase is Phase.APPLIED:  # the loaded state replaces the window's step
-            with deferred_interrupts():  # NOTE: as in step()
-                self._guarded(self._validator.apply)
-                self._guarded(self._step_device_state)
-                self._close_window()
-                self._proto.move(Phase.IDLE)
+        if self._proto.phase is Phase.APPLIED:
+            # NOTE: torch's step() would step the loaded state with the window's gradients; here
+            # the window's update has already run on the state before the load, and the window
+            # (its gradients, late hyper-parameters, clipping) is left as it was for step()
+            raise RuntimeError(
+                f"load_state_dict() {Phase.APPLIED.value}: full offload applied the step's update during that "
+                "backward, so the loaded state could not be the one step() steps, as torch's optimizer would; nothing "
+                "was loaded and the window is as it was. Call step() first (the checkpoint then replaces the state "
+                "after it), or zero_grad() to drop the window (its update, already applied, is then replaced by the "
+                "checkpoint's state)")
 
         def apply(sd: dict) -> None:
             with deferred_interrupts():  # NOTE: every parameter is loaded, or (on an error) none

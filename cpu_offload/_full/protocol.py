@@ -9,7 +9,7 @@
 #   ACCUMULATING ──step()──► APPLIED ──► IDLE (a short window: the step runs on what was
 #                                             accumulated)
 #   ACCUMULATING ──zero_grad()──► IDLE (the window is discarded, like torch, with its factors)
-#   APPLIED ──step() / zero_grad() / load_state_dict() / close()──► IDLE
+#   APPLIED ──step() / zero_grad() / close()──► IDLE (load_state_dict() and state_dict() are refused)
 #   IDLE ──zero_grad()──► IDLE (drops a factor announced for the window)
 #   BACKWARD, ACCUMULATING, APPLIED ──a failure──► ABORTED ──recovery──► IDLE
 #   any ──close()──► CLOSED;  CLOSED ──construction complete──► IDLE
@@ -50,7 +50,7 @@ TRANSITIONS = {
     (Phase.ACCUMULATING, Phase.APPLIED): "step() in a short window: the update ran on what was accumulated",
     (Phase.IDLE, Phase.APPLIED): "step() with no backward after zero_grad(set_to_none=False): the kept zero "
                                  "gradients were stepped",
-    (Phase.APPLIED, Phase.IDLE): "step(), zero_grad(), load_state_dict() or close() closed the window",
+    (Phase.APPLIED, Phase.IDLE): "step(), zero_grad() or close() closed the window",
     (Phase.ACCUMULATING, Phase.IDLE): "zero_grad() discarded the window",
     (Phase.IDLE, Phase.IDLE): "zero_grad() between windows",
     (Phase.BACKWARD, Phase.ABORTED): "the backward pass raised (seen at the next call, module forward or gradient)",

@@ -342,13 +342,9 @@ def test_a_ctrl_c_at_any_line_of_a_clipped_step_leaves_the_clipped_step(sigint_r
     assert k > 100
 
 
-def _load_saved(h):
-    h.opt.load_state_dict(copy.deepcopy(h.saved))  # NOTE: copied: torch may adopt the loaded tensors
-
-
 # The calls that close a window pending (after its last backward, before step()); state_dict()
-# refuses one (tests/full/test_gpu_state.py).
-PENDING_CALLS = {"zero_grad": lambda h: h.opt.zero_grad(), "load_state_dict": _load_saved}
+# (tests/full/test_gpu_state.py) and load_state_dict() (below) refuse one.
+PENDING_CALLS = {"zero_grad": lambda h: h.opt.zero_grad()}
 
 
 def call_after_a_clipped_window(name, k=None, **opts):
@@ -382,6 +378,43 @@ def test_a_ctrl_c_at_any_line_of_a_call_with_a_window_pending_changes_nothing(si
     second time, which reset the factor the next window speculates with, so that window was
     stepped with factor 1 and redone (its masters 1e-4 off, not 1e-7)."""
     assert_every_interrupt_ends_alike(lambda k: call_after_a_clipped_window(name, k, **opts), more_than=100)
+
+
+def load_after_a_clipped_window(k=None, **opts):
+    """A Harness that clips every step: a checkpoint after one step, a second step, a last
+    backward, then (unless ``k`` is None) load_state_dict() of the checkpoint with SIGINT at
+    its ``k``-th line, and once more, refused; then step(), and one more window. Returns the
+    Harness, or None if the load ran fewer than ``k`` lines."""
+    h = Harness(timeout_s=10.0, max_grad_norm=1e-3, **opts)
+    h.train_normally(1)
+    saved = copy.deepcopy(h.opt.state_dict())
+    h.train_normally(1)
+    h.window = {}
+    h.backward()
+    if k is not None:
+        with applied_update_kept():  # NOTE: copied: torch may adopt the loaded tensors
+            if not interrupted_at(h, k, lambda: h.opt.load_state_dict(copy.deepcopy(saved))):
+                return None
+        with pytest.raises(RuntimeError, match="nothing was loaded and the window is as it was"):
+            h.opt.load_state_dict(copy.deepcopy(saved))
+    h.opt.step()
+    h.opt.zero_grad()
+    h.ref_window_step()
+    h.train_normally(1)
+    return h
+
+
+@pytest.mark.parametrize("opts", [{}, {"gpu_state": HALF_STATE}], ids=["host", "half_on_the_device"])
+def test_a_ctrl_c_at_any_line_of_a_load_with_a_window_pending_changes_nothing(sigint_raises, opts):
+    """load_state_dict() between the window's last backward and step() is refused, and a
+    Ctrl-C at any of its lines changes nothing either: step() then takes the window's step,
+    and every master and step count equals the run without the load, bit for bit. Before,
+    the load closed the window first (its step with the backward's hyper-parameters), so
+    an interrupted or refused load left no window for step()."""
+    assert_every_interrupt_ends_alike(lambda k: load_after_a_clipped_window(k, **opts), more_than=30)
+    h = load_after_a_clipped_window(**opts)
+    h.check()  # the run without the load is torch's
+    h.opt.close()
 
 
 def close_after_the_last_backward(k=None, **opts):

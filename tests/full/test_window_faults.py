@@ -3,7 +3,9 @@
 # between the last backward and step(), a factor of an abandoned window, a late tiny
 # factor on huge gradients, and bf16 moments with an eps too small to roll back. Each
 # case is compared with torch.optim.AdamW fed the same gradients where torch defines it.
+import copy
 import signal
+import warnings
 
 import pytest
 import torch
@@ -13,7 +15,7 @@ import cpu_offload
 from cpu_offload._full import chunk_runner
 from cpu_offload._full import validation as step_validation
 from cpu_offload._full.optimizer import FullCPUOffloadOptimizer
-from helpers import SMALL, PlainNet, records_of
+from helpers import HALF_STATE, SMALL, PlainNet, records_of
 
 HP = dict(lr=1e-2, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1)
 
@@ -178,17 +180,63 @@ def test_sigint_at_each_call_of_the_rollback_leaves_the_completed_step(sigint_ra
 
 
 # ------------------------------------ 4: load_state_dict between backward and step()
-def test_load_state_dict_after_the_last_backward_leaves_the_optimizer_usable():
+def checkpoint_of(off):
+    """A snapshot of ``off.state_dict()`` (its tensors are live views of the host state)."""
+    return copy.deepcopy(off.state_dict())
+
+
+def refused(saved):
+    """``saved`` with a learning rate full offload refuses."""
+    return dict(saved, param_groups=[dict(g, lr=-1.0) for g in saved["param_groups"]])
+
+
+@pytest.mark.parametrize("opts", [{}, {"gpu_state": HALF_STATE}], ids=["host", "half_on_the_device"])
+@pytest.mark.parametrize("which", ["valid", "refused"])
+def test_load_state_dict_after_the_last_backward_raises_and_changes_nothing(which, opts):
+    """The window's update ran during its last backward, so a loaded state could not be what
+    step() steps, as torch's would be: the load raises, naming what to call first, and changes
+    nothing. The step() after it is the one the run makes without the load, an lr set after
+    the backward included. Before, the load closed the window with the backward's lr (the
+    late one was lost) and then loaded or refused the dict: the step() after it found no
+    gradient, and the masters were those of another step."""
+    runs = []
+    for attempt in (False, True):
+        model, init, off, grads = make(**opts)
+        backward(model, 0)
+        off.step()
+        off.zero_grad()
+        saved = checkpoint_of(off)
+        backward(model, 1)
+        for g in off.param_groups:
+            g["lr"] *= 0.1  # set after the last backward: the step applies it (a redo)
+        if attempt:
+            with pytest.raises(RuntimeError, match=r"load_state_dict\(\) after the window's last backward.*"
+                                                   r"Call step\(\).*or zero_grad\(\)"):
+                off.load_state_dict(saved if which == "valid" else refused(saved))
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")  # no "found no gradient" warning: the window is still there
+            warnings.filterwarnings("ignore", "cpu_offload: param_groups.*changed from", RuntimeWarning)
+            off.step()
+        off.zero_grad()
+        backward(model, 2)
+        off.step()
+        runs.append(snapshot(off))
+        off.close()
+    assert_same(runs[1], runs[0])
+
+
+def test_load_state_dict_after_zero_grad_replaces_the_window_after_the_last_backward():
+    """What the refused load would have meant, asked for: zero_grad() drops the window (its
+    update stays applied, with a warning), and the load then replaces it."""
     model, init, off, grads = make()
     backward(model, 0)
     off.step()
     off.zero_grad()
-    saved = {k: v for k, v in off.state_dict().items()}
-    saved = {"state": {i: {k: v.clone() for k, v in e.items()} for i, e in saved["state"].items()},
-             "param_groups": saved["param_groups"]}
+    saved = checkpoint_of(off)
     backward(model, 1)
-    off.load_state_dict(saved)  # replaces the window's update
-    grads.clear()
+    with pytest.warns(RuntimeWarning, match="zero_grad\\(\\) without step\\(\\)"):
+        off.zero_grad()
+    off.load_state_dict(saved)
     backward(model, 2)
     off.step()
     other, init2, off2, grads2 = make()
