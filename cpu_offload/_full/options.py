@@ -243,10 +243,13 @@ def read_hparams(param_groups, algorithm: str, *, bf16_moments: bool = False) ->
                 check_float32(name, v)
                 values[key if key != "betas" else f"beta{i + 1}"] = v
         _check_float32_constants(g, values, algorithm)
-        if algorithm == "adamw" and group.get("decoupled_weight_decay", True) is False and values["weight_decay"]:
-            # NOTE: torch's AdamW honours the key: False is Adam's L2 penalty (g + wd*p), which
-            # the kernels do not run; a torch.optim.Adam checkpoint loaded here sets it.
-            raise ValueError(f"full offload cannot honour decoupled_weight_decay=False with weight_decay="
+        decoupled = group.get("decoupled_weight_decay", True)
+        where = f"param_groups[{g}]['decoupled_weight_decay']"
+        if algorithm == "adamw" and values["weight_decay"] and not item_of(where, decoupled):
+            # NOTE: torch's AdamW honours the key, read for truth (0, np.False_, tensor(False) and
+            # None as False): Adam's L2 penalty (g + wd*p), which the kernels do not run; a
+            # torch.optim.Adam checkpoint loaded here sets it.
+            raise ValueError(f"full offload cannot honour decoupled_weight_decay={decoupled!r} with weight_decay="
                              f"{values['weight_decay']:g} (param_groups[{g}]): that is torch.optim.Adam's L2 penalty; "
                              f"full offload runs AdamW's decoupled weight decay")
         if bf16_moments and values["eps"] * math.sqrt(1.0 - values["beta2"]) < _BF16_MIN_EPS_HAT:

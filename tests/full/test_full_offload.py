@@ -6,6 +6,7 @@ import io
 import time
 import warnings
 
+import numpy as np
 import pytest
 import torch
 import torch.nn as nn
@@ -362,6 +363,9 @@ def test_keep_fp32_takes_a_generator_of_the_optimizers_parameters():
 @pytest.mark.parametrize("key,bad,error", [("amsgrad", True, ValueError), ("maximize", True, ValueError),
                                            ("capturable", True, ValueError), ("lr", "0.01", TypeError),
                                            ("decoupled_weight_decay", False, ValueError),
+                                           ("decoupled_weight_decay", 0, ValueError),
+                                           ("decoupled_weight_decay", np.False_, ValueError),
+                                           ("decoupled_weight_decay", torch.tensor(False), ValueError),
                                            ("betas", (0.9,), ValueError), ("betas", (0.9, 0.95, 0.5), ValueError),
                                            ("lr", torch.tensor(0.01, device="meta"), ValueError)])
 def test_a_group_option_set_after_wrapping_is_refused_at_the_next_backward(key, bad, error):
@@ -389,6 +393,39 @@ def test_a_group_option_set_after_wrapping_is_refused_at_the_next_backward(key, 
     refused, plain = runs
     for n, (step, master) in plain.items():
         assert refused[n][0] == step and torch.equal(refused[n][1], master), n
+
+
+# torch's Adam and AdamW test decoupled_weight_decay for truth: any false value is Adam's L2 penalty
+FALSE_DECOUPLING = {"False": False, "0": 0, "np.False_": np.False_, "tensor(False)": torch.tensor(False), "None": None}
+TRUE_DECOUPLING = {"1": 1, "np.True_": np.True_, "tensor(True)": torch.tensor(True)}
+
+
+@pytest.mark.parametrize("value", FALSE_DECOUPLING.values(), ids=FALSE_DECOUPLING.keys())
+def test_decoupled_weight_decay_false_by_truth_is_refused_at_construction(value):
+    """A false value other than ``False`` makes torch run Adam's L2 penalty as ``False`` does: it
+    is refused alike. Before, only ``is False`` was, and full offload ran decoupled decay."""
+    model, opt = build("adamw")
+    opt.param_groups[1]["decoupled_weight_decay"] = value
+    with pytest.raises(ValueError, match=r"decoupled_weight_decay=.*\(param_groups\[1\]\).*L2 penalty"):
+        FullCPUOffloadOptimizer(opt, **SMALL)
+    assert all(p.dtype == torch.float32 for p in model.parameters())  # nothing changed
+
+
+@pytest.mark.parametrize("value", TRUE_DECOUPLING.values(), ids=TRUE_DECOUPLING.keys())
+def test_decoupled_weight_decay_true_by_truth_steps_as_true(value):
+    """A true value other than ``True`` is AdamW's decoupled decay to torch, and steps as ``True``."""
+    runs = []
+    for decoupled in (True, value):
+        model, opt = build("adamw")
+        for group in opt.param_groups:
+            group["decoupled_weight_decay"] = decoupled
+        off = FullCPUOffloadOptimizer(opt, **SMALL)
+        step_with(model, off, 0)
+        step_with(model, off, 1)
+        runs.append({n: rec.master.clone() for n, rec in named(model, off).items()})
+        off.close()
+    for n, master in runs[0].items():
+        assert torch.equal(runs[1][n], master), n
 
 
 @pytest.mark.parametrize("source,option", [
