@@ -64,7 +64,9 @@ class WindowControls:
         Before the window's last backward pass it costs nothing (the kernels
         scale as they step); after it, ``step()`` rolls the update back and
         redoes it, unless the previous window was given the same factor after
-        its last backward (the next window speculates with that one). Factors
+        its last backward (the next window speculates with that one; a short
+        window's factor given after its last pass, before its ``step()``, counts
+        as given after its last backward). Factors
         multiply; clipping afterwards sees the scaled norm. ``zero_grad()`` drops the
         factors of a window that it abandons, as it drops torch's scaled gradients.
         """

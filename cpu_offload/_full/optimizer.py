@@ -515,7 +515,7 @@ class FullCPUOffloadOptimizer(WindowControls, torch.optim.Optimizer):
         # starts (the chunks are stepped during it), so an LR scheduler stepped
         # after step() applies to the next step, as with torch.
         hparams = self._read_hparams(speculate=True) if self._proto.final else None
-        self._validator.forget_norms()
+        self._validator.pass_begins()
         self._pipeline.begin_backward(micro=self._proto.micro, final=self._proto.final, hparams=hparams,
                                       speculative=self._proto.final,
                                       deferred=self._proto.final and self._validator.defers(),
@@ -746,6 +746,7 @@ class FullCPUOffloadOptimizer(WindowControls, torch.optim.Optimizer):
                 self._pipeline.begin_backward(micro=self._proto.micro, final=True, hparams=current, speculative=True,
                                               deferred=True)
                 self._proto.final = True
+                self._validator.short_window_ends()
                 self._complete_window()
         # NOTE: a Ctrl-C during the rollback and redo is delivered once the step is complete
         # and the window closed, so the state is the one after this step.

@@ -101,6 +101,9 @@ class StepValidator:
     def open_window(self) -> None:
         self.scale = 1.0  # the factor on this window's gradients (clip_grad_norm_, scale_grads_)
         self.late = 1.0  # the part of it given after the window's last backward started
+        # the part given since the window's last pass ended (or before its first): late too when
+        # step() then closes the window short, not when a pass follows (pass_begins)
+        self.since_pass = 1.0
         # NOTE: max_grad_norm's coefficient is the window's last clip, a factor of its own: a
         # clip_grad_norm_ or scale_grads_ after it comes before it (it is taken again), so the
         # norm such a call returns is the one before the option's clip, in any window
@@ -156,17 +159,27 @@ class StepValidator:
                     for rec in self.window_records():
                         rec.accum.mul_(coef)
                 self._norms.clear()
-            # NOTE: also the factor the next window speculates with: a clip before step() in a
-            # short window (a framework's last one of an epoch) comes after its last backward
-            self.late *= self.clip_coef
+            # NOTE: also the factor the next window speculates with if step() follows: a clip
+            # before step() in a short window (a framework's last one of an epoch) comes after
+            # its last backward
+            self.since_pass *= self.clip_coef
         else:
             self.rescale(self.clip_coef, late=late)
         self._clip_by_option_again()
         return total
 
-    def forget_norms(self) -> None:
-        """A backward pass adds to the window's gradients: norms computed so far are stale."""
+    def pass_begins(self) -> None:
+        """A backward pass adds to the window's gradients: norms computed so far are stale, and
+        the factors given since the last pass came before this one."""
         self._norms.clear()
+        self.since_pass = 1.0
+
+    def short_window_ends(self) -> None:
+        """step() closes the window after fewer passes than grad_accum_steps (or none): the
+        factors given since its last pass came after it, as a full window's after its last
+        backward, and the next window speculates with them."""
+        self.late *= self.since_pass
+        self.since_pass = 1.0
 
     def close_window(self, *, abandoned: bool = False) -> None:
         """The window ends; the next one speculates with its late factor, unless it was
@@ -177,9 +190,13 @@ class StepValidator:
         self.open_window()
 
     def rescale(self, factor: float, *, late: bool) -> None:
+        """``late``: after the window's last backward started; else it may still be
+        (``since_pass``, short_window_ends)."""
         self.scale *= factor
         if late:
             self.late *= factor
+        else:
+            self.since_pass *= factor
 
     def scale_grads(self, factor: float, *, late: bool) -> None:
         """scale_grads_(): the window's gradients times ``factor``. A norm already computed in

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from cpu_offload._full.optimizer import FullCPUOffloadOptimizer
-from helpers import SMALL, build, capture, fp32_reference, normwise, records_of, watch_rollbacks
+from helpers import SMALL, build, capture, count_rollbacks, fp32_reference, normwise, records_of, watch_rollbacks
 
 COUNTS = [1, 3, 2, 5]  # micro-batches per step
 CLIP = 0.3
@@ -92,6 +92,54 @@ def test_announced_factor_is_free_and_equals_a_scaled_loss():
         torch.testing.assert_close(ra.master, rb.master, rtol=1e-6, atol=1e-7)
     assert rollbacks == []  # no redo: the kernels applied the factor
     assert a.stats()["backward_passes"] == 2
+
+
+@pytest.mark.parametrize("state_dtype", [torch.float32, torch.bfloat16], ids=["fp32_moments", "bf16_moments"])
+def test_a_factor_before_a_short_windows_step_is_carried_into_the_next_window(monkeypatch, state_dtype):
+    """grad_accum_steps=3, windows of 1, 2 and 3 passes, scale_grads_(0.5) before each step():
+    a short window's factor comes after its last backward, as a full window's, so the window
+    after it expects it and none is rolled back and redone; the run equals the one that gives
+    each factor before the window's passes, bit for bit, and torch's. Before, only a
+    clip_grad_norm_ there was carried: each full window after a short one was redone (with
+    bf16 moments, with the rollback's error in its state)."""
+    counts = [1, 2, 3, 1, 2, 3, 3]
+    runs = {}
+    for announce in (True, False):
+        model, opt = build("adamw")
+        init = {n: p.detach().clone() for n, p in model.named_parameters()}
+        grads = capture(model)
+        off = FullCPUOffloadOptimizer(opt, grad_accum_steps=3, state_dtype=state_dtype, **SMALL)
+        rollbacks = count_rollbacks(monkeypatch)
+        history = []
+        for s, count in enumerate(counts):
+            grads.clear()
+            if announce:
+                off.scale_grads_(0.5)
+            for m in range(count):
+                model(micro_batch(s, m).to(torch.bfloat16)).float().pow(2).sum().backward()
+            if not announce:
+                off.scale_grads_(0.5)
+            off.step()
+            off.zero_grad()
+            history.append({n: list(g) for n, g in grads.items()})
+        assert rollbacks == [], announce
+        names = {id(p): n for n, p in model.named_parameters()}
+        runs[announce] = {names[id(rec.param)]: (rec.master.clone(), rec.exp_avg.clone(), rec.exp_avg_sq.clone(),
+                                                 rec.step) for rec in records_of(off)}
+        off.close()
+    for n, (master, exp_avg, exp_avg_sq, step) in runs[False].items():
+        want = runs[True][n]
+        assert all(torch.equal(a, b) for a, b in zip((master, exp_avg, exp_avg_sq), want[:3])), n
+        assert step == want[3], n
+    params, ref = fp32_reference("adamw", init)
+    for grads_of in history:
+        for n, p in params.items():
+            p.grad = sum(grads_of[n][1:], grads_of[n][0].clone()).mul_(0.5) if n in grads_of else None
+        ref.step()
+    tol = 1e-5 if state_dtype == torch.float32 else 1e-2
+    for n, (master, *_, step) in runs[False].items():
+        if step:
+            assert normwise(master.view_as(params[n]), params[n].detach()) < tol, n
 
 
 @pytest.mark.parametrize("count", [1, 3])
