@@ -19,6 +19,7 @@
 from __future__ import annotations
 
 import importlib.util
+import io
 import linecache
 import os
 import signal
@@ -389,6 +390,14 @@ def assert_bit_equal(a, b, where: str) -> None:
             assert_bit_equal(x, y, f"{where}/{j}")
     else:
         assert a == b, (where, a, b)
+
+
+def through_torch_save(obj):
+    """``obj`` as ``torch.save`` then ``torch.load`` give it back (a checkpoint written to disk)."""
+    buf = io.BytesIO()
+    torch.save(obj, buf)
+    buf.seek(0)
+    return torch.load(buf)
 
 
 def assert_same_state(a: dict, b: dict) -> None:

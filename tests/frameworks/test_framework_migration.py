@@ -5,14 +5,13 @@
 # the same three phases run with Bf16MasterAdamW in the middle one.
 # Needs no framework (a small torch language model, random tokens).
 
-import io
 
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
 import cpu_offload
-from helpers import BF16_LOSS_ATOL, Bf16MasterAdamW, loss_report, token_rows
+from helpers import BF16_LOSS_ATOL, Bf16MasterAdamW, loss_report, through_torch_save, token_rows
 
 HP = dict(lr=1e-2, betas=(0.9, 0.95), weight_decay=0.1)
 STEPS = 6  # per phase
@@ -56,12 +55,6 @@ def train(m, opt, first_step):
     return losses
 
 
-def saved(state_dict):
-    buf = io.BytesIO()
-    torch.save(state_dict, buf)
-    buf.seek(0)
-    return torch.load(buf)
-
 
 def to_plain_adamw(m, sd):
     """The README's recipe: fp32 parameters from the masters, then the rest of
@@ -84,20 +77,20 @@ def test_plain_adamw_to_full_offload_and_back():
     opt = torch.optim.AdamW(ref.parameters(), **HP)
     want = train(ref, opt, 0)
     mid = Bf16MasterAdamW(ref.parameters(), **HP)
-    mid.load_state_dict(saved(opt.state_dict()))
+    mid.load_state_dict(through_torch_save(opt.state_dict()))
     want += train(ref, mid, STEPS)
     mid.close()
     with torch.no_grad():
         for p, master in zip(ref.parameters(), mid.masters):
             p.data = master.clone()
     opt = torch.optim.AdamW(ref.parameters(), **HP)
-    opt.load_state_dict(saved(mid.state_dict()))
+    opt.load_state_dict(through_torch_save(mid.state_dict()))
     want += train(ref, opt, 2 * STEPS)
 
     m = model()
     opt = torch.optim.AdamW(m.parameters(), **HP)
     got = train(m, opt, 0)
-    sd_plain = saved(opt.state_dict())
+    sd_plain = through_torch_save(opt.state_dict())
     fp32 = [p.detach().clone() for p in m.parameters()]
     boundary = [held_out_loss(m)]
     off = cpu_offload.offload_optimizer(torch.optim.AdamW(m.parameters(), **HP), offload="full")
@@ -109,7 +102,7 @@ def test_plain_adamw_to_full_offload_and_back():
             assert torch.equal(st["master"], w) and p.dtype == torch.bfloat16
             assert torch.equal(st["exp_avg"], entry["exp_avg"]) and int(st["step"]) == STEPS
         got += train(m, off, STEPS)
-        sd_full = saved(off.state_dict())
+        sd_full = through_torch_save(off.state_dict())
         boundary.append(held_out_loss(m))
     finally:
         off.close()

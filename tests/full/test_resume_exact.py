@@ -3,7 +3,6 @@
 # checkpoint without it still loads), and a plain torch.optim.AdamW checkpoint migrated in
 # the usual resume order (wrap, model.load_state_dict, opt.load_state_dict): the loaded
 # weights stay, also for parameters the saved run never stepped.
-import io
 import os
 import re
 import warnings
@@ -14,7 +13,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 import cpu_offload
-from helpers import SMALL, records_of
+from helpers import SMALL, records_of, through_torch_save
 
 HP = dict(lr=1e-2, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1)
 LOSS_SCALES = [0.3, 4.0, 1.0, 12.0, 0.1, 2.5, 0.7, 5.0]  # clips on most steps, by varying factors
@@ -49,12 +48,6 @@ def train(model, opt, steps, *, clip_call=False):
         opt.zero_grad()
 
 
-def roundtrip(obj):
-    buf = io.BytesIO()
-    torch.save(obj, buf)
-    buf.seek(0)
-    return torch.load(buf)
-
 
 def host_state(opt):
     return [(r.master.clone(), r.exp_avg.clone(), r.exp_avg_sq.clone(), r.step) for r in records_of(opt)]
@@ -72,7 +65,7 @@ def test_resume_after_clipped_steps_is_bit_identical(state_dtype, how):
 
     model, opt = fresh(**opts)
     train(model, opt, range(4), clip_call=clip_call)
-    ck = roundtrip({"model": model.state_dict(), "optim": opt.state_dict()})
+    ck = through_torch_save({"model": model.state_dict(), "optim": opt.state_dict()})
     model, opt = fresh(seed=1, **opts)  # another process: other initial weights
     model.load_state_dict(ck["model"])
     opt.load_state_dict(ck["optim"])
@@ -86,7 +79,7 @@ def test_resume_after_clipped_steps_is_bit_identical(state_dtype, how):
 def test_checkpoint_without_the_speculation_factor_still_loads():
     model, opt = fresh(max_grad_norm=0.05)
     train(model, opt, range(4))
-    sd = roundtrip(opt.state_dict())
+    sd = through_torch_save(opt.state_dict())
     for group in sd["param_groups"]:
         group.pop("speculation_factor")
     model2, opt2 = fresh(max_grad_norm=0.05)
@@ -108,7 +101,7 @@ def test_plain_adamw_checkpoint_migrates_in_the_usual_resume_order():
         source(x, s).pow(2).mean().backward()
         sopt.step()
         sopt.zero_grad()
-    ck = roundtrip({"model": source.state_dict(), "optim": sopt.state_dict()})
+    ck = through_torch_save({"model": source.state_dict(), "optim": sopt.state_dict()})
     assert len(ck["optim"]["state"]) == 4
 
     model, opt = fresh(seed=1)
@@ -148,7 +141,7 @@ def test_a_plain_adamw_checkpoint_loaded_before_wrapping_keeps_fp32_masters_with
         source(x, s).pow(2).mean().backward()
         sopt.step()
         sopt.zero_grad()
-    ck = roundtrip({"model": source.state_dict(), "optim": sopt.state_dict()})
+    ck = through_torch_save({"model": source.state_dict(), "optim": sopt.state_dict()})
     model = Net()
     model.load_state_dict(ck["model"])
     opt = cpu_offload.offload_optimizer(torch.optim.AdamW(model.parameters(), **HP), offload="full", **SMALL)
@@ -168,7 +161,7 @@ def test_masters_carried_through_an_optimizer_that_does_not_step_them_are_not_lo
     the entry's is now left out, with a warning, and the weights give the masters."""
     model, opt = fresh()
     train(model, opt, range(3))
-    saved = roundtrip(opt.state_dict())
+    saved = through_torch_save(opt.state_dict())
     opt.close()
     model.float()
     with torch.no_grad():
@@ -181,7 +174,7 @@ def test_masters_carried_through_an_optimizer_that_does_not_step_them_are_not_lo
         model(x, s).pow(2).mean().backward()
         plain.step()
         plain.zero_grad()
-    carried = roundtrip(plain.state_dict())
+    carried = through_torch_save(plain.state_dict())
     assert all("master" in e for e in carried["state"].values())  # kept by torch, as saved at step 3
     weights = [p.detach().clone() for p in model.parameters()]
     full = cpu_offload.offload_optimizer(torch.optim.AdamW(model.parameters(), **HP), offload="full", **SMALL)
@@ -236,13 +229,13 @@ def test_the_state_of_a_parameter_frozen_at_wrap_time_is_saved_again():
 
     for how in ("load_state_dict", "wrap a stepped optimizer"):
         model, plain = stepped()
-        saved = roundtrip(plain.state_dict())
+        saved = through_torch_save(plain.state_dict())
         if how == "load_state_dict":
             full = cpu_offload.offload_optimizer(torch.optim.AdamW(model.parameters(), **HP), offload="full", **SMALL)
             full.load_state_dict(saved)
         else:
             full = cpu_offload.offload_optimizer(plain, offload="full", **SMALL)
-        again = roundtrip(full.state_dict())
+        again = through_torch_save(full.state_dict())
         full.close()
         assert set(again["state"]) == set(saved["state"]), how
         for key, value in saved["state"][0].items():  # l1.weight, frozen

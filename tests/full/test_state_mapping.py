@@ -3,7 +3,6 @@
 # one live tensor, as torch's: an in-place edit counts like an assignment (refused loudly
 # where the window's step already ran), and an uncloned state_dict() stays the live state.
 import copy
-import io
 import time
 import warnings
 
@@ -14,7 +13,7 @@ import torch.nn as nn
 import cpu_offload
 from cpu_offload._full.optimizer import FullCPUOffloadOptimizer
 from cpu_offload.reference import adamw_reference_
-from helpers import HALF_STATE, SMALL, assert_same_state, batches, build, named, snapshot
+from helpers import HALF_STATE, SMALL, assert_same_state, batches, build, named, snapshot, through_torch_save
 
 
 def _full(params, **options):
@@ -420,12 +419,6 @@ def test_a_bad_step_count_edited_in_place_raises_naming_the_entry_and_changes_no
         opt.close()
 
 
-def _roundtrip(obj):
-    buf = io.BytesIO()
-    torch.save(obj, buf)
-    buf.seek(0)
-    return torch.load(buf)
-
 
 @pytest.mark.parametrize("gpu_state", [None, HALF_STATE], ids=["host", "split"])
 def test_an_uncloned_state_dict_is_the_live_state_as_torchs(gpu_state):
@@ -459,7 +452,7 @@ def test_an_uncloned_state_dict_is_the_live_state_as_torchs(gpu_state):
         train(model, off, range(2))
         sd = off.state_dict()
         train(model, off, range(2, 5))
-        saved = _roundtrip(sd)
+        saved = through_torch_save(sd)
         for rec in named(model, off).values():
             entry = saved["state"][rec.index]
             assert float(entry["step"]) == float(entry["master_step"]) == rec.step
