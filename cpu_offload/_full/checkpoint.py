@@ -224,8 +224,7 @@ def load_state_dict(opt, sd: dict) -> None:
     rounded = []  # trained entries without a master whose weights were loaded at the compute dtype
     with torch.no_grad():
         for rec, step, tensors in plan:
-            rec.step = step
-            rec.show_step(over_edit=True)  # NOTE: the loaded count replaces an edit not taken
+            rec.set_step(step)  # NOTE: the loaded count replaces an edit not taken
             for key in ("exp_avg", "exp_avg_sq"):
                 flat = getattr(rec, key)
                 if flat is not None and key not in tensors:

@@ -148,6 +148,11 @@ class ParamRecord:
             master_step.fill_(value)
         self.shown_step, self.shown_value = self.step, float(self.step_view)
 
+    def set_step(self, count: int) -> None:
+        """A count loaded, assigned or written in place becomes the count, shown as it is."""
+        self.step = count
+        self.show_step(over_edit=True)
+
     def reset_window(self) -> None:
         self.has_accum = False
         self.uncounted = False

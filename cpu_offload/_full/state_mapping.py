@@ -135,8 +135,7 @@ def step_edits(records) -> list:
 def take_step_edits(edits) -> None:
     """The edited counts become the records' counts, as ``opt.state[p]["step"] = count`` would."""
     for rec, count in edits:
-        rec.step = count
-        rec.show_step(over_edit=True)
+        rec.set_step(count)
 
 
 class SavedEntry(Mapping):
@@ -232,8 +231,7 @@ class StateEntry:
         rec = self._rec
         with torch.no_grad():
             if key == "step":
-                rec.step = checked
-                rec.show_step(over_edit=True)
+                rec.set_step(checked)
                 return
             flat = getattr(rec, key)
             if checked.data_ptr() != flat.data_ptr() or checked.device != flat.device:
