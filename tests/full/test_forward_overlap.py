@@ -7,8 +7,11 @@
 # A worker failure after step() surfaces on the caller's thread in the next forward, and an
 # interrupt while a forward waits leaves nothing behind.
 
+import copy
 import gc
+import io
 import threading
+import time
 import weakref
 
 import pytest
@@ -424,3 +427,87 @@ def test_overlap_forward_is_checked():
         FullCPUOffloadOptimizer(opt, overlap_forward=[model])
     with pytest.raises(ValueError, match="overlap_forward: the model does not hold"):
         FullCPUOffloadOptimizer(opt, overlap_forward=nn.Linear(2, 2))
+
+
+class AttentionBlock(nn.Module):
+    """torch's attention layers read their children's weights in their own forward:
+    nn.MultiheadAttention its out_proj's, nn.TransformerEncoderLayer's fast path (eval) all of them."""
+
+    def __init__(self, layer: str, d: int = 64):
+        super().__init__()
+        self.inp = nn.Linear(d, d)
+        if layer == "attention":
+            self.att = nn.MultiheadAttention(d, 4, batch_first=True)
+        else:
+            self.att = nn.TransformerEncoderLayer(d, 4, dim_feedforward=64, dropout=0.0, batch_first=True)
+        self.out = nn.Linear(d, d)
+
+    def forward(self, x):
+        h = self.inp(x)
+        h = self.att(h, h, h, need_weights=False)[0] if isinstance(self.att, nn.MultiheadAttention) else self.att(h)
+        return self.out(h)
+
+
+@pytest.mark.parametrize("layer", ["attention", "encoder"])
+def test_torch_attention_layers_wait_for_their_childrens_weights(monkeypatch, layer):
+    """MultiheadAttention's forward reads out_proj.weight without calling out_proj, so nothing
+    waited for it: an evaluation right after step() read the old weight, and a training
+    forward saved it for a backward that then failed on the step's in-place write. A slow
+    CPU step (the regime overlap_forward is for) leaves those chunks behind the forward."""
+    from cpu_offload import kernels
+    real = kernels.adamw_step
+
+    def slow(*args, **kwargs):
+        time.sleep(0.02)
+        return real(*args, **kwargs)
+    monkeypatch.setattr(kernels, "adamw_step", slow)
+    waited = []
+    await_weights = FullCPUOffloadOptimizer._await_weights
+
+    def noting(self, recs, fsdp_state):
+        waited.append({id(r.param) for r in recs})
+        return await_weights(self, recs, fsdp_state)
+    monkeypatch.setattr(FullCPUOffloadOptimizer, "_await_weights", noting)
+    x = torch.randn(2, 5, 64, generator=torch.Generator().manual_seed(0)).to(torch.bfloat16)
+    runs = []
+    for overlap in (False, True):
+        torch.manual_seed(0)
+        model = AttentionBlock(layer)
+        off = FullCPUOffloadOptimizer(torch.optim.AdamW(model.parameters(), lr=1e-2),
+                                      overlap_forward=model if overlap else None, pinned_bytes=1 << 15, num_slots=4)
+        evals = []
+        for _ in range(3):
+            model.train()
+            model(x).float().pow(2).mean().backward()
+            off.step()
+            off.zero_grad()
+            model.eval()
+            with torch.no_grad():
+                evals.append(model(x))  # right after step(): the weights may still be landing
+        off.wait_for_weights()
+        runs.append((evals, {n: p.detach().clone() for n, p in model.named_parameters()}))
+        off.close()
+    (want_evals, want), (got_evals, got) = runs
+    assert {id(p) for p in model.att.parameters()} in waited  # the layer's own forward waits for them all
+    assert all(torch.equal(a, b) for a, b in zip(got_evals, want_evals))
+    assert all(torch.equal(got[n], want[n]) for n in want)
+
+
+def test_a_model_with_the_forward_waits_pickles_and_its_copies_do_not_wait(monkeypatch):
+    """The waits were closures in the model's hook tables: torch.save(model) failed ("Can't
+    pickle local object"), and a deep copy (an EMA or teacher model) kept hooks that called
+    the optimizer, so its state_dict() raised once the optimizer was closed."""
+    model, off, gate = step_held(monkeypatch, 2)
+    off.wait_for_weights()
+    buf = io.BytesIO()
+    torch.save(model, buf)
+    ema = copy.deepcopy(model)
+    want = {n: t.clone() for n, t in model.state_dict().items()}
+    off.close()
+    buf.seek(0)
+    for copied in (ema, torch.load(buf, weights_only=False)):
+        got = copied.state_dict()
+        assert all(torch.equal(got[n], want[n]) for n in want)
+        copied.load_state_dict(want)
+        x, extra = batches(0, 1)[0]
+        assert torch.equal(copied(x.to(torch.bfloat16), use_extra=extra), model(x.to(torch.bfloat16), use_extra=extra))
