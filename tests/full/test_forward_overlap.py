@@ -5,7 +5,8 @@
 # bit for bit: AdamW with fp32 and bf16 moments, SignSGD, clipping that redoes steps, a NaN
 # step, accumulation windows, grad_copy="host", part of the state on the device (gpu_state=).
 # A worker failure after step() surfaces on the caller's thread in the next forward, and an
-# interrupt while a forward waits leaves nothing behind.
+# interrupt while a forward waits leaves nothing behind. torch's attention layers wait for
+# their children's weights; the model pickles, and its copies' hooks wait for nothing.
 
 import copy
 import gc
