@@ -220,7 +220,6 @@ def load_state_dict(opt, sd: dict) -> None:
         return
     plan, stale, frozen = _validate(opt, sd)
     factor, late, limit = _speculation(sd["param_groups"])
-    stale_ids = {id(rec) for rec, *_ in stale}
     rounded = []  # trained entries without a master whose weights were loaded at the compute dtype
     with torch.no_grad():
         for rec, step, tensors in plan:
@@ -233,8 +232,13 @@ def load_state_dict(opt, sd: dict) -> None:
                 current = rec.local().detach().reshape(-1).to(rec.master.device)
                 if not torch.equal(current, rec.master.to(current.dtype)):
                     tensors["master"] = current
-                    if step and current.dtype != torch.float32 and id(rec) not in stale_ids:
-                        rounded.append(rec)
+                    rec.master_from_weights = current.dtype != torch.float32
+                # NOTE: also a master taken from such weights before (a state_dict() read takes
+                # weights loaded since wrapping): it has no more bits than they have
+                if step and rec.master_from_weights:
+                    rounded.append(rec)
+            else:
+                rec.master_from_weights = False
             for key, src in tensors.items():
                 flat = getattr(rec, key)
                 if src.data_ptr() != flat.data_ptr():  # DCP may have loaded into our own views
@@ -258,6 +262,8 @@ def load_state_dict(opt, sd: dict) -> None:
         warnings.warn(
             f"cpu_offload: the masters of {[r.name for r, *_ in stale][:8]} were saved at step {master_step}, but their "
             f"state's step count is {step} (for {rec.name}): an optimizer without full offload stepped the weights since "
-            "and kept the masters as they were. They were not loaded: the model's current weights are the masters (load "
-            "the model's weights of the same checkpoint first)", RuntimeWarning,
+            "and kept the masters as they were, or the checkpoint has no masters (a torch optimizer's, loaded with "
+            "torch.distributed.checkpoint into opt.state_dict(), whose masters it left). They were not loaded: the "
+            "model's current weights are the masters (load the model's weights of the same checkpoint first)",
+            RuntimeWarning,
             stacklevel=opt._validator.stacklevel())

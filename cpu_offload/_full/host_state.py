@@ -50,6 +50,9 @@ class ParamRecord:
     exp_avg_sq: Optional[torch.Tensor] = None  # v, flat host view in the state dtype (AdamW)
     accum: Optional[torch.Tensor] = None  # fp32 flat host view (grad_accum_steps > 1)
     step: int = 0  # completed optimizer steps: grows exactly when the master changed
+    # the master was taken from weights changed outside the optimizer at the compute dtype (a
+    # bf16 model checkpoint loaded after wrapping): it lacks an fp32 checkpoint's low bits
+    master_from_weights: bool = False
     # The step count as the user sees it (torch's ``state["step"]``): live 0-d float32 tensors,
     # made when first handed out, given ``step`` by ``show_step`` (state_mapping.py)
     step_tensor: Optional[torch.Tensor] = field(default=None, repr=False)  # opt.state's and state_dict()'s "step"
@@ -445,6 +448,7 @@ def adopt_external_weights(records: Iterable[ParamRecord]) -> None:
         if current is not None:
             rec.master.copy_(current)
             rec.version = _version_of(rec)
+            rec.master_from_weights = current.dtype != torch.float32
 
 
 def adopt_edits_before_step(records: Iterable[ParamRecord]) -> list[ParamRecord]:

@@ -237,6 +237,7 @@ class StateEntry:
             if checked.data_ptr() != flat.data_ptr() or checked.device != flat.device:
                 flat.copy_(checked)
             if key == "master":  # NOTE: the compute copy is always round(master)
+                rec.master_from_weights = False
                 write_compute_copies([rec])
 
     def __delitem__(self, key) -> None:
