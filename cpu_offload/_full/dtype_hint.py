@@ -5,7 +5,9 @@
 # torch's own "mat1 and mat2 must have the same dtype". Until the optimizer's first backward
 # ends (it calls ``remove()``), two process-wide module hooks watch forward passes; a
 # dtype-mismatch error that mentions bfloat16 gets a note saying what happened and what to
-# do (autocast, or bf16 inputs). Then training steps pay nothing.
+# do (autocast, or bf16 inputs). Where the innermost failing module holds frozen parameters
+# wider than bf16 (left as they were beside its cast ones), the note names them instead of
+# the inputs. Then training steps pay nothing.
 # NOTE: torch.compile compiles a module for the process-wide hooks present; a forward run
 # while they are and its checkpointed recompute run once they are gone would differ. So
 # they stay until a backward ends, and go at once, with no hint given, before an outermost
@@ -28,6 +30,11 @@ __all__ = ["HINT", "watch_first_forward"]
 HINT = ("cpu_offload: offload='full' cast the model's trainable parameters to {dtype} in place (the fp32 master "
         "weights live in host RAM), so fp32 inputs no longer match them: run the forward under "
         "torch.autocast(device_type, dtype={dtype}), or give the model {dtype} inputs")
+FROZEN_HINT = ("cpu_offload: offload='full' cast the model's trainable parameters to {dtype} in place (the fp32 "
+               "master weights live in host RAM) and left frozen ones as they were, so in {module} the frozen "
+               "{frozen} {verb} {dtype} ones: run the forward under torch.autocast(device_type, dtype={dtype}), or "
+               "cast those frozen parameters to {dtype}")
+_PREFIX = "cpu_offload: offload='full' cast"
 
 
 def _is_dtype_mismatch(exc: BaseException, dtype: torch.dtype) -> bool:
@@ -36,13 +43,26 @@ def _is_dtype_mismatch(exc: BaseException, dtype: torch.dtype) -> bool:
     return isinstance(exc, RuntimeError) and name in text and "float" in text.replace(name, "")
 
 
-def _explain(exc: BaseException, dtype: torch.dtype) -> None:
-    note = HINT.format(dtype=dtype)
-    if note in getattr(exc, "__notes__", ()) or not _is_dtype_mismatch(exc, dtype):
-        return  # NOTE: every enclosing module's hook sees the same exception: one note
+def _frozen_wider(module: torch.nn.Module, dtype: torch.dtype) -> list[str]:
+    """The module's own frozen floating-point parameters wider than ``dtype``."""
+    return [f"{name} ({p.dtype})"
+            for name, p in module.named_parameters(recurse=False)
+            if not p.requires_grad and p.is_floating_point() and p.dtype.itemsize > dtype.itemsize]
+
+
+def _explain(exc: BaseException, dtype: torch.dtype, module: torch.nn.Module) -> None:
+    # NOTE: every enclosing module's hook sees the same exception, innermost first: one note,
+    # from the module that raised it.
+    if any(str(n).startswith(_PREFIX) for n in getattr(exc, "__notes__", ())) or (
+            exc.args and _PREFIX in str(exc.args[0])) or not _is_dtype_mismatch(exc, dtype):
+        return
+    frozen = _frozen_wider(module, dtype)
+    note = (FROZEN_HINT.format(dtype=dtype, module=type(module).__name__, frozen=", ".join(frozen),
+                                  verb="meets" if len(frozen) == 1 else "meet") if frozen
+            else HINT.format(dtype=dtype))
     if hasattr(exc, "add_note"):  # Python >= 3.11
         exc.add_note(note)
-    elif exc.args and isinstance(exc.args[0], str) and note not in exc.args[0]:
+    elif exc.args and isinstance(exc.args[0], str):
         exc.args = (f"{exc.args[0]}\n{note}",) + exc.args[1:]
 
 
@@ -75,7 +95,7 @@ class _FirstForward:
         _, before = stack.pop()
         exc = sys.exc_info()[1]
         if exc is not None and exc is not before:
-            _explain(exc, self.dtype)
+            _explain(exc, self.dtype, module)
 
     def remove(self) -> None:
         for handle in self.handles:

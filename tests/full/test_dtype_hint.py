@@ -42,6 +42,28 @@ def test_fp32_inputs_get_a_note_saying_what_to_do():
     opt.close()
 
 
+def test_a_frozen_fp32_parameter_beside_cast_ones_is_named_in_the_note():
+    # bf16 inputs, but a frozen fp32 bias stays fp32 beside its layer's bf16 weight: the note
+    # names that parameter rather than blaming the inputs.
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 4))
+    model[2].bias.requires_grad_(False)
+    opt = offload_optimizer(torch.optim.AdamW(model.parameters()), offload="full", pinned_bytes=1 << 16)
+    with pytest.raises(RuntimeError, match="same dtype") as info:
+        model(torch.randn(2, 8, dtype=torch.bfloat16))
+    notes = getattr(info.value, "__notes__", None) or [str(info.value).split("\n", 1)[1]]
+    assert len(notes) == 1
+    assert "in Linear the frozen bias (torch.float32) meets torch.bfloat16 ones" in notes[0]
+    assert "torch.autocast(device_type, dtype=torch.bfloat16)" in notes[0]
+    # The remedy the note gives works: autocast runs the layer, and the frozen bias stays as it was.
+    bias = model[2].bias.detach().clone()
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        model(torch.randn(2, 8)).float().sum().backward()
+    opt.step()
+    assert torch.equal(model[2].bias, bias)
+    opt.close()
+
+
 def test_other_errors_are_left_alone():
     before = _global_hooks()
     model, opt = _wrapped()
