@@ -504,6 +504,7 @@ class FullCPUOffloadOptimizer(WindowControls, torch.optim.Optimizer):
         self._proto.move(Phase.BACKWARD)
         if new_window:
             self._check_parameters()
+            self._warn_grads_left()
         if new_window or self._proto.final:
             # NOTE: also before the window's last pass: an edit between two passes is the
             # weight the step (run during that pass) updates, as in torch's step(); the same
@@ -589,6 +590,7 @@ class FullCPUOffloadOptimizer(WindowControls, torch.optim.Optimizer):
             self._close_window(abandoned=True)
             self._proto.move(Phase.IDLE)
             self._proto.zeroed = False  # the window's gradients are discarded, not zeros
+            self._proto.grads_left = False
             if outside_backward():
                 # NOTE: a gradient the dead backward left in .grad (its hook never took it)
                 # is discarded with the window: autograd would add the next one to it.
@@ -776,6 +778,20 @@ class FullCPUOffloadOptimizer(WindowControls, torch.optim.Optimizer):
             "loading, or keep the adapters in fp32 (compute_dtype=torch.float32), into which a load copies",
             RuntimeWarning, stacklevel=_user_stacklevel())
 
+    def _warn_grads_left(self) -> None:
+        """A window begins after a step() with no zero_grad() since: torch would add its
+        gradients to those the step left in .grad. Said once."""
+        if not self._proto.grads_left or self._proto.warned_grads_left:
+            return
+        self._proto.grads_left = False
+        self._proto.warned_grads_left = True
+        warnings.warn(
+            "cpu_offload: backward() after step() with no zero_grad() between: torch would add this window's "
+            "gradients to the last step's, which it keeps in .grad; full offload keeps no gradient after step() and "
+            "steps each window on its own gradients. Call opt.zero_grad() after step() (or before backward()) to "
+            "train as torch does; gradients cleared with p.grad = None are not seen here",
+            RuntimeWarning, stacklevel=_user_stacklevel())
+
     def _take_edits_before_step(self) -> list:
         """step() begins: host parameters whose window step has not run take the edits made
         since the library last wrote their weights (their step updates the edited weights,
@@ -828,6 +844,7 @@ class FullCPUOffloadOptimizer(WindowControls, torch.optim.Optimizer):
         self._close_window(landing=landing)
         self._proto.move(Phase.IDLE)
         self._proto.zeroed = self._proto.zeroed and not passes  # torch's .grad now holds this window's
+        self._proto.grads_left = self._proto.grads_left or bool(passes)
         self._proto.blocked_s = 0.0
         self._proto.landing_stats = stats
         self._proto.landing = landing
@@ -946,6 +963,7 @@ class FullCPUOffloadOptimizer(WindowControls, torch.optim.Optimizer):
             late_edits = self._close_without_step("zero_grad()")
         self._proto.move(Phase.IDLE)
         self._proto.zero_fill = self._proto.zeroed = not set_to_none
+        self._proto.grads_left = False
         if set_to_none:
             for rec in self._records:
                 rec.holds_grad = False

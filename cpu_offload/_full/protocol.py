@@ -82,6 +82,10 @@ class ProtocolState:
     died: int = -1  # generation of a backward that raised, until recovered
     zero_fill: bool = False  # zero_grad(set_to_none=False): step grad-less parameters with zeros
     zeroed: bool = False  # no window was stepped since that zero_grad: torch's .grad tensors hold zeros
+    # a window was stepped and no zero_grad() came since: torch's .grad would still hold its
+    # gradients, and the next backward would add to them (here each window starts from none)
+    grads_left: bool = False
+    warned_grads_left: bool = False
     warned_zero_grad: bool = False
     warned_no_gradient: bool = False  # step() with no gradient since the last one: said once
     blocked_s: float = 0.0

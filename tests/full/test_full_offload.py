@@ -822,6 +822,40 @@ def test_a_step_with_no_gradient_since_the_last_one_says_so_once():
     off.close()
 
 
+@pytest.mark.parametrize("k", [1, 2])
+def test_backward_after_step_without_zero_grad_says_that_gradients_do_not_build_up_across_steps(k):
+    """torch adds the next backward's gradients to the .grad the last step() left, when no
+    zero_grad() came between; full offload keeps no gradient after step(), so such a loop
+    trains on each window's own gradients. It used to say nothing; now it warns, once."""
+    model, opt = build("adamw")
+    off = FullCPUOffloadOptimizer(opt, grad_accum_steps=k, **SMALL)
+    x = torch.randn(2, 24, dtype=torch.bfloat16)
+
+    def window():
+        for _ in range(k):
+            model(x).float().sum().backward()
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        for clear in (lambda: off.zero_grad(), lambda: model.zero_grad(),
+                      lambda: off.zero_grad(set_to_none=False)):
+            clear()  # before the backward, or after step(): torch's .grad then starts from none (or zeros)
+            window()
+            off.step()
+        off.zero_grad()
+        window()  # the first window, here after a zero_grad(), as any window after one
+        off.step()
+    with pytest.warns(RuntimeWarning, match=r"backward\(\) after step\(\) with no zero_grad\(\) between.*"
+                                            r"torch would add .* full offload .* steps each window on its own"):
+        window()
+    off.step()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        window()  # said once
+        off.step()
+    off.close()
+
+
 @pytest.mark.parametrize("numel", [2, 1])
 def test_a_parameter_given_another_shape_through_data_is_refused_before_anything_changes(numel):
     # One element would broadcast into the master before the gradient's shape was refused.
