@@ -468,8 +468,13 @@ class FullCPUOffloadOptimizer(WindowControls, torch.optim.Optimizer):
             raise TypeError(f"the gradient of {rec.name} is {grad.layout}: full offload needs dense gradients "
                             "(build nn.Embedding / EmbeddingBag with sparse=False)")
         if rec.arrived == self._proto.micro:
-            raise RuntimeError(f"the gradient of {rec.name} arrived twice in one backward pass (after a backward "
-                               "that was interrupted and whose exception is still held, call zero_grad() first)")
+            raise RuntimeError(
+                f"the gradient of {rec.name} arrived twice in one backward pass. A parameter used in several "
+                "reentrant activation-checkpoint segments (torch.utils.checkpoint(..., use_reentrant=True)) gets its "
+                "gradient in parts, one per segment's own backward, and full offload steps it at the first: use "
+                "use_reentrant=False (HF: gradient_checkpointing_enable(gradient_checkpointing_kwargs="
+                "{'use_reentrant': False})). After a backward that was interrupted and whose exception is still "
+                "held, call zero_grad() first")
         grad = local_of(grad)
         compute = rec.local()
         if grad.dtype != compute.dtype:

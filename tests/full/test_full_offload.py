@@ -14,8 +14,8 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 
 import cpu_offload._full.chunk_runner as runner_mod
 from cpu_offload._full.optimizer import FullCPUOffloadOptimizer
-from helpers import (Net, SMALL, assert_same_state, batches, build, expected, named, records_of, run, snapshot,
-                     worker_parts_of)
+from helpers import (Net, SMALL, assert_same_state, batches, build, capture, expected, named, records_of, run,
+                     snapshot, worker_parts_of)
 
 
 @pytest.mark.parametrize("kind", ["adamw", "sign_sgd"])
@@ -853,6 +853,50 @@ def test_backward_after_step_without_zero_grad_says_that_gradients_do_not_build_
         warnings.simplefilter("error")
         window()  # said once
         off.step()
+    off.close()
+
+
+def test_a_weight_shared_by_reentrant_checkpoint_segments_is_refused_naming_the_remedy():
+    """A layer shared by two segments under torch.utils.checkpoint(use_reentrant=True): each
+    segment's nested backward hands over part of its gradient. The error said a backward had
+    been interrupted; it now names the checkpointing and what to use instead, which trains
+    it as torch does."""
+    import torch.utils.checkpoint as cp
+
+    class Shared(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.inp, self.shared, self.out = nn.Linear(16, 32), nn.Linear(32, 32), nn.Linear(32, 4)
+
+        def forward(self, x, reentrant):
+            h = self.inp(x)
+            for _ in range(2):
+                h = cp.checkpoint(lambda t: torch.tanh(self.shared(t)), h, use_reentrant=reentrant)
+            return self.out(h)
+
+    torch.manual_seed(0)
+    model = Shared()
+    reference = copy.deepcopy(model)
+    off = FullCPUOffloadOptimizer(torch.optim.AdamW(model.parameters(), lr=1e-2), **SMALL)
+    x = torch.randn(4, 16)
+    with pytest.raises(RuntimeError, match=r"gradient of param_groups\[0\]\[[23]\] arrived twice .* reentrant "
+                                           r"activation-checkpoint segments .* use_reentrant=False"):
+        model(x.bfloat16(), True).float().pow(2).mean().backward()
+    with pytest.warns(RuntimeWarning, match="backward pass 1 of 1 raised"):  # what was stepped stays, as after any failure
+        off.close()
+    # The remedy it names: the same model, non-reentrant, steps as torch's AdamW on its gradients.
+    model = copy.deepcopy(reference)
+    grads = capture(model)  # the bf16 gradients, seen before full offload takes them
+    off = FullCPUOffloadOptimizer(torch.optim.AdamW(model.parameters(), lr=1e-2), **SMALL)
+    model(x.bfloat16(), False).float().pow(2).mean().backward()
+    off.step()
+    torch_opt = torch.optim.AdamW(reference.parameters(), lr=1e-2, foreach=False)
+    for n, p in reference.named_parameters():
+        p.grad = grads[n][0]
+    torch_opt.step()
+    for n, p in reference.named_parameters():
+        torch.testing.assert_close(off.state[dict(model.named_parameters())[n]]["master"], p.detach(),
+                                   rtol=1e-6, atol=1e-7, msg=n)
     off.close()
 
 
