@@ -88,16 +88,20 @@ def _user_stacklevel() -> int:
     return level
 
 
-def _shutdown(records, pipeline, transfer, handles, trace, *, finish_queued: bool = True) -> None:
+def _shutdown(records, pipeline, transfer, handles, trace, pid: int, *, finish_queued: bool = True) -> None:
     """Release what a wrapper holds and write its trace; must not reference the wrapper (it
     runs from a finalizer). ``finish_queued``: the chunks queued or running are stepped
     first (close() has landed them already). NOTE: whole or not at all against Ctrl-C: run
     by the garbage collector, an interrupt is dropped where it lands, and left hooks and an
-    owner behind."""
+    owner behind. NOTE: in a child forked from process ``pid`` (its exit, or the wrapper
+    dropped there) nothing is done: the worker thread it would wait for is the parent's
+    only, and the trace is the parent's to write."""
+    if os.getpid() != pid:
+        return
     if finish_queued and pipeline.on_worker_thread():
         # NOTE: the garbage collector ran this finalizer on the worker, in a chunk: it cannot
         # wait for itself, so another thread waits for the queued chunks, then releases
-        threading.Thread(target=_shutdown, args=(records, pipeline, transfer, handles, trace),
+        threading.Thread(target=_shutdown, args=(records, pipeline, transfer, handles, trace, pid),
                          name="cpu_offload-shutdown", daemon=True).start()
         return
     with deferred_interrupts():
@@ -402,7 +406,8 @@ class FullCPUOffloadOptimizer(WindowControls, torch.optim.Optimizer):
                 self._next_forward = NextForwardHook(
                     lambda: None if (w := ref()) is None else w._recover_before_forward())
                 handles.append(self._next_forward)
-                self._finalizer = weakref.finalize(self, _shutdown, records, self._pipeline, transfer, handles, trace)
+                self._finalizer = weakref.finalize(self, _shutdown, records, self._pipeline, transfer, handles, trace,
+                                                   self._pid)
                 self._dtype_hint = None
                 if any(dtype.itemsize > compute_dtype.itemsize for dtype in originals.values()):
                     self._dtype_hint = watch_first_forward(compute_dtype)  # explains the dtype error of fp32 inputs
@@ -1001,7 +1006,10 @@ class FullCPUOffloadOptimizer(WindowControls, torch.optim.Optimizer):
         if not self._proto.warned_zero_grad:
             self._proto.warned_zero_grad = True
             warnings.warn(f"cpu_offload: {call} without step() after a window's last backward pass: full offload "
-                          "applied that update during backward; it stays applied and counts as a step",
+                          "applied that update during backward; it stays applied and counts as a step. If that was "
+                          "another loss's backward passing through these parameters (a GAN's generator loss through "
+                          "the discriminator), whose gradients torch's zero_grad() drops, freeze them for it: "
+                          "requires_grad_(False) before that backward, requires_grad_(True) after",
                           RuntimeWarning, stacklevel=_user_stacklevel())
         return _late_edits_error(late_edits, call, late_counts) if late_edits or late_counts else None
 

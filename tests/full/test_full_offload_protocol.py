@@ -911,6 +911,44 @@ def test_optimizer_used_after_fork_fails_at_once():
     assert "after fork()" in msg and proc.exitcode == 0
 
 
+@pytest.mark.parametrize("how", ["exit", "gc"])
+def test_a_child_forked_with_a_window_pending_exits_at_once(tmp_path, how):
+    """The wrapper's finalizer, run in a forked child (at its exit, or when the child drops
+    the wrapper), waited for queued chunks on a worker thread the child does not have, for
+    the whole timeout_s. It leaves the parent's pipeline alone there."""
+    import subprocess
+    import sys
+    import textwrap
+    script = tmp_path / "fork_child.py"
+    script.write_text(textwrap.dedent(f"""
+        import gc, os, sys, time
+        import torch
+        from cpu_offload import offload_optimizer
+        torch.set_num_threads(1)
+        model = torch.nn.Linear(64, 4)
+        opt = offload_optimizer(torch.optim.AdamW(model.parameters()), offload="full", grad_accum_steps=2,
+                                timeout_s=60)
+        model(torch.randn(4, 64, dtype=torch.bfloat16)).float().sum().backward()  # 1 of 2: a window pending
+        pid = os.fork()
+        if pid == 0:
+            if {how!r} == "gc":
+                del opt
+                gc.collect()
+            sys.exit(0)
+        start = time.monotonic()
+        _, status = os.waitpid(pid, 0)
+        print(os.waitstatus_to_exitcode(status), round(time.monotonic() - start, 1))
+        model(torch.randn(4, 64, dtype=torch.bfloat16)).float().sum().backward()  # the parent goes on
+        opt.step()
+        print(int(opt.state[model.weight]["step"]))
+    """))
+    out = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=120,
+                         env={**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)})
+    assert out.returncode == 0, out.stderr
+    code, seconds, steps = out.stdout.split()
+    assert code == "0" and float(seconds) < 20 and steps == "1", out.stdout
+
+
 def test_ddp_model_is_refused(gloo_group):
     model = nn.parallel.DistributedDataParallel(Net())
     with pytest.raises(RuntimeError, match="DistributedDataParallel model"):
