@@ -900,6 +900,59 @@ def test_a_weight_shared_by_reentrant_checkpoint_segments_is_refused_naming_the_
     off.close()
 
 
+def _gan_steps(freeze_d: bool, steps: int = 3):
+    """The usual GAN loop with two full-offload optimizers: a discriminator step, then a
+    generator step whose backward passes through the discriminator. Returns D, its
+    optimizer, the warnings, and the gradients D's own steps handed over."""
+    torch.manual_seed(0)
+    gen_net = nn.Sequential(nn.Linear(8, 32), nn.Tanh(), nn.Linear(32, 16))
+    disc = nn.Sequential(nn.Linear(16, 32), nn.Tanh(), nn.Linear(32, 1))
+    init = {n: p.detach().clone() for n, p in disc.named_parameters()}
+    d_grads = capture(disc)
+    opt_g = FullCPUOffloadOptimizer(torch.optim.AdamW(gen_net.parameters(), lr=1e-2), **SMALL)
+    opt_d = FullCPUOffloadOptimizer(torch.optim.AdamW(disc.parameters(), lr=1e-2), **SMALL)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for _ in range(steps):
+            real, z = torch.randn(8, 16, dtype=torch.bfloat16), torch.randn(8, 8, dtype=torch.bfloat16)
+            opt_d.zero_grad()
+            fake = gen_net(z)
+            ((disc(real).float() - 1).pow(2).mean() + disc(fake.detach()).float().pow(2).mean()).backward()
+            opt_d.step()
+            opt_g.zero_grad()
+            disc.requires_grad_(not freeze_d)
+            (disc(fake).float() - 1).pow(2).mean().backward()
+            disc.requires_grad_(True)
+            opt_g.step()
+        opt_d.zero_grad()
+    opt_g.close()
+    return disc, opt_d, [str(w.message) for w in caught], init, d_grads
+
+
+def test_a_gan_loop_that_freezes_the_discriminator_for_the_generators_backward_trains_it_as_torch():
+    """In torch the generator's backward also fills the discriminator's .grad, which the next
+    zero_grad() drops. Under full offload that backward steps the discriminator: the warning of
+    a zero_grad() without step() now names this case and its remedy, which trains as torch."""
+    disc, opt_d, said, _, _ = _gan_steps(freeze_d=False)
+    assert [float(v["step"]) for v in opt_d.state_dict()["state"].values()] == [6.0] * 4  # torch: 3
+    assert any("zero_grad() without step()" in m and "another loss's backward" in m and "requires_grad_(False)" in m
+               for m in said), said
+    opt_d.close()
+    disc, opt_d, said, init, d_grads = _gan_steps(freeze_d=True)
+    assert not [m for m in said if "cpu_offload" in m], said
+    reference = {n: nn.Parameter(t.clone()) for n, t in init.items()}
+    torch_opt = torch.optim.AdamW(reference.values(), lr=1e-2, foreach=False)
+    for step in range(3):  # torch's AdamW on the same gradients, the discriminator's steps only
+        for n, p in reference.items():
+            p.grad = d_grads[n][step]
+        torch_opt.step()
+    params = dict(disc.named_parameters())
+    for n, p in reference.items():
+        assert float(opt_d.state[params[n]]["step"]) == 3.0
+        torch.testing.assert_close(opt_d.state[params[n]]["master"], p.detach(), rtol=1e-6, atol=1e-7, msg=n)
+    opt_d.close()
+
+
 @pytest.mark.parametrize("numel", [2, 1])
 def test_a_parameter_given_another_shape_through_data_is_refused_before_anything_changes(numel):
     # One element would broadcast into the master before the gradient's shape was refused.
