@@ -48,8 +48,8 @@ from cpu_offload._common.dtensor import local_of
 from cpu_offload._full.dtype_hint import watch_first_forward
 from cpu_offload._common.interrupts import deferred_interrupts
 from cpu_offload._full.options import (
-    check_clipping_options, check_gpu_state, check_keep_fp32, check_optimizer, check_options, read_hparams, ring_rooms,
-    staging_rings,
+    check_clipping_options, check_gpu_state, check_keep_fp32, check_optimizer, check_options, check_timeout,
+    read_hparams, ring_rooms, staging_rings,
 )
 from cpu_offload._full.binding import bind_for
 from cpu_offload._full.pipeline import Pipeline
@@ -378,7 +378,6 @@ class FullCPUOffloadOptimizer(WindowControls, torch.optim.Optimizer):
                         ownership.mark_cast(rec.param, originals[id(rec.param)])
                 adopt_optimizer(self, optimizer, runs_torch_hooks=True)
                 self._proto.window = grad_accum_steps
-                self.timeout_s = float(timeout_s)
                 self._records, self._frozen = records, frozen
                 self._frozen_entries = {}  # the loaded state of parameters frozen at wrap time (checkpoint.py)
                 self._group_ids = _param_ids(optimizer.param_groups)
@@ -1018,6 +1017,16 @@ class FullCPUOffloadOptimizer(WindowControls, torch.optim.Optimizer):
             "FullCPUOffloadOptimizer cannot add parameter groups: host state and hooks are built at "
             "construction; add every group to the optimizer before wrapping it"
         )
+
+    @property
+    def timeout_s(self) -> float:
+        """The limit, in seconds, of each wait of the pipeline; may be set between calls."""
+        return self._pipeline.timeout_s
+
+    @timeout_s.setter
+    def timeout_s(self, value) -> None:
+        check_timeout(value)
+        self._pipeline.set_timeout(float(value))
 
     # ---------------------------------------------------- state and checkpoints
     @property

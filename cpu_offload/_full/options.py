@@ -59,12 +59,16 @@ def check_options(*, algorithm: str, grad_accum_steps, compute_dtype, state_dtyp
         check_int("num_slots", num_slots, low=1)
     if pinned_bytes is not None:
         check_int("pinned_bytes", pinned_bytes, low=2 * (num_slots or 4) * 4096, detail=f" (num_slots={num_slots or 4})")
+    check_timeout(timeout_s)
+    if not isinstance(sysfs_root, (str, os.PathLike)):
+        raise TypeError(f"sysfs_root must be a path (str or os.PathLike), got {sysfs_root!r}")
+
+
+def check_timeout(timeout_s) -> None:
     if (isinstance(timeout_s, bool) or not isinstance(timeout_s, (int, float))
             or not 0 < timeout_s <= threading.TIMEOUT_MAX):
         raise ValueError(f"timeout_s must be a number > 0 and at most threading.TIMEOUT_MAX "
                          f"({threading.TIMEOUT_MAX:g}), got {timeout_s!r}")
-    if not isinstance(sysfs_root, (str, os.PathLike)):
-        raise TypeError(f"sysfs_root must be a path (str or os.PathLike), got {sysfs_root!r}")
 
 
 def check_keep_fp32(keep_fp32, optimizer) -> set:

@@ -353,6 +353,20 @@ class Pipeline:
         wait_until(lambda: all(self.transfer.is_done(s.marker) for s in self.h2d.slots),
                    timeout_s=self.timeout_s, what="host-to-device copies", diagnose=self.diagnose)
 
+    def set_timeout(self, timeout_s: float) -> None:
+        self.timeout_s = self._runner.timeout_s = timeout_s
+
+    def finish_queued(self) -> None:
+        """A failed window's drain timed out: wait, past ``timeout_s``, until the worker has
+        run every chunk queued.
+        NOTE: left queued, they ran once the window had closed and been reset: masters and
+        weights changed with no step counted (dropped, a parameter split over several chunks
+        would be left partly stepped). The wait ends: a chunk's own waits are bounded by
+        timeout_s, its kernels by its size, and after a failure the rest are skipped."""
+        with self._lock:
+            while (self._queue or self._busy is not None) and self._thread.is_alive():
+                self._cv.wait(0.5)
+
     def on_worker_thread(self) -> bool:
         return threading.current_thread() is self._thread
 

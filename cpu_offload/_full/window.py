@@ -71,7 +71,10 @@ def salvage_window(records, pipeline, transfer) -> tuple[list, list]:
             pipeline.resume_staging()
         except Exception:
             pipeline.drop_staging()
-        pipeline.drain()
+        try:
+            pipeline.drain()
+        except TimeoutError:
+            pipeline.finish_queued()  # NOTE: the window is then recovered with all it stepped
         transfer.compute_waits_for_h2d()
     finally:
         stepped = [r for r in records if r.stepped]

@@ -332,6 +332,41 @@ def test_timeout_has_pipeline_diagnostic(monkeypatch):
         off.close()
 
 
+@pytest.mark.parametrize("kernel_s", [0.0, 0.3])
+def test_a_timeout_in_backward_leaves_each_step_count_with_its_master(monkeypatch, kernel_s):
+    """A TimeoutError out of backward abandoned the window while chunks were still queued;
+    the worker stepped them afterwards, so masters, moments and weights changed and no step
+    was counted (the next step's bias correction one step off), and step() said nothing had
+    been updated. Now the abandoned window's queued chunks are dropped and a running one is
+    waited for: a parameter's count grows exactly when its master changed. A larger
+    timeout_s set on the optimizer then applies to the next steps."""
+    model, opt = build("adamw")
+    off = FullCPUOffloadOptimizer(opt, timeout_s=1e-9 if not kernel_s else 0.1, **SMALL)
+    if kernel_s:
+        slow_adamw(monkeypatch, kernel_s)
+    before = {n: (rec.master.clone(), rec.step) for n, rec in named(model, off).items()}
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        with pytest.raises(TimeoutError):
+            model(torch.randn(2, 24, dtype=torch.bfloat16)).sum().backward()
+        time.sleep(2 * kernel_s + 0.2)  # whatever the worker still had would have run by now
+        off.zero_grad()
+    monkeypatch.undo()
+    for n, rec in named(model, off).items():
+        master, step = before[n]
+        changed = not torch.equal(rec.master, master)
+        assert rec.step == step + changed, (n, rec.step, changed)
+        assert torch.equal(rec.param.detach().reshape(-1), rec.master.to(torch.bfloat16)), n
+    counts = {n: rec.step for n, rec in named(model, off).items()}
+    off.timeout_s = 60.0  # the next steps wait as long as they need
+    model(torch.randn(2, 24, dtype=torch.bfloat16)).sum().backward()
+    off.step()
+    assert named(model, off)["l1.weight"].step == counts["l1.weight"] + 1
+    with pytest.raises(ValueError, match="timeout_s must be a number > 0"):
+        off.timeout_s = 0
+    off.close()
+
+
 BAD_OPTIONS = [
     *[pytest.param(name, bad, error, id=f"{name}={bad!r}") for name, bad, error in [
         ("timeout_s", float("inf"), ValueError), ("timeout_s", 1e30, ValueError), ("timeout_s", 0, ValueError),
