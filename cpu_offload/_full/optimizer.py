@@ -225,6 +225,10 @@ class FullCPUOffloadOptimizer(WindowControls, torch.optim.Optimizer):
             None: ``step()`` returns once every new weight is on the device, as in torch.
     """
 
+    # NOTE: so that torch.amp.GradScaler.step() calls step() with its grad_scale and found_inf
+    # set, which step() refuses, saying why; otherwise it raised "No inf checks were recorded".
+    _step_supports_amp_scaling = True
+
     def __init__(
         self,
         optimizer: torch.optim.Optimizer,
@@ -717,6 +721,7 @@ class FullCPUOffloadOptimizer(WindowControls, torch.optim.Optimizer):
         ``zero_grad(set_to_none=False)`` left (as torch), else it does nothing.
         """
         self._enter()
+        self._refuse_grad_scaler()
         # NOTE: what the torch optimizer's step(), patched by an LR scheduler built on it before
         # wrapping, would note: it never runs here, and the scheduler would warn that its first
         # step() came before the optimizer's
@@ -772,6 +777,22 @@ class FullCPUOffloadOptimizer(WindowControls, torch.optim.Optimizer):
                 raise _late_edits_error(late_edits, "step()", late_counts)
         self._pipeline.trace.mark("step_end")
         return loss
+
+    def _refuse_grad_scaler(self) -> None:
+        """step() called by torch.amp.GradScaler.step(), which set these attributes: refused
+        before anything changes, the attributes removed (the scaler removes them only when
+        step() returns)."""
+        if "found_inf" not in vars(self) and "grad_scale" not in vars(self):
+            return
+        vars(self).pop("found_inf", None)
+        vars(self).pop("grad_scale", None)
+        raise RuntimeError(
+            "torch.amp.GradScaler does not work with offload='full': the update runs during backward, on the "
+            "gradients as they arrive, scaled by the loss scale, before the scaler can unscale them or look for "
+            "Inf. bf16 needs no loss scaling: drop the scaler (or GradScaler(enabled=False)) and call step() "
+            "yourself; opt.scale_grads_(factor) scales a step's gradients, and skip_nonfinite=True (the default) "
+            "skips a step with NaN or Inf gradients. This window's update ran with the scaled gradients: step() "
+            "closes it")
 
     def _warn_no_gradient(self) -> None:
         """step() with no gradient since the last one does nothing, as torch's; said once, as a
