@@ -1185,6 +1185,10 @@ class FullCPUOffloadOptimizer(WindowControls, torch.optim.Optimizer):
                 with deferred_interrupts():
                     late_edits = self._close_without_step("close()")
                     self._proto.move(Phase.IDLE)
+            elif self._proto.phase is Phase.ACCUMULATING:
+                warnings.warn(f"cpu_offload: close() dropped an open accumulation window ({self._proto.micro} of "
+                              f"{self.grad_accum_steps} backward passes): their gradients were not stepped; call "
+                              "step() first to step them", RuntimeWarning, stacklevel=_user_stacklevel())
         except KeyboardInterrupt:
             # NOTE: the optimizer stays open, its window as it was: close() again finishes it
             # (stopping the worker here would drop the chunks it has not stepped yet)

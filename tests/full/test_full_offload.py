@@ -547,6 +547,25 @@ def test_close_is_idempotent_and_removes_hooks():
         off.step()
 
 
+def test_close_in_the_middle_of_an_accumulation_window_says_it_drops_it():
+    """close() after 1 of 3 backward passes dropped the accumulated gradients without a word."""
+    model, opt = build("adamw")
+    off = FullCPUOffloadOptimizer(opt, grad_accum_steps=3, **SMALL)
+    masters = [r.master.clone() for r in records_of(off)]
+    model(torch.randn(2, 24, dtype=torch.bfloat16)).float().sum().backward()
+    with pytest.warns(RuntimeWarning, match=r"close\(\) dropped an open accumulation window \(1 of 3 backward "
+                                            r"passes\).*call step\(\) first"):
+        off.close()
+    assert all(torch.equal(r.master, m) and r.step == 0 for r, m in zip(records_of(off), masters))
+    model, opt = build("adamw")
+    off = FullCPUOffloadOptimizer(opt, grad_accum_steps=3, **SMALL)
+    model(torch.randn(2, 24, dtype=torch.bfloat16)).float().sum().backward()
+    off.step()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        off.close()  # nothing open: nothing said
+
+
 def test_closure_and_lr_change_apply_to_next_step():
     model, opt = build("sign_sgd")
     off = FullCPUOffloadOptimizer(opt, **SMALL)
