@@ -21,6 +21,21 @@ def check_output_paths(parser: argparse.ArgumentParser, *options: tuple) -> None
             parser.error(f"{option} {path}: is a directory; name the file to write")
         if path and not os.path.isdir(os.path.dirname(os.path.abspath(path))):
             parser.error(f"{option} {path}: its directory does not exist")
+        if path and (why := unwritable(path)):
+            parser.error(f"{option} {path}: cannot be written ({why})")
+
+
+def unwritable(path: str):
+    """Why ``path`` cannot be written (opened for appending; a file made here is removed), or None."""
+    existed = os.path.exists(path)
+    try:
+        with open(path, "a"):
+            pass
+    except OSError as e:
+        return e.strerror or type(e).__name__
+    if not existed:
+        os.remove(path)
+    return None
 
 
 def check_at_least(parser: argparse.ArgumentParser, option: str, value, low: int = 1) -> None:

@@ -292,6 +292,15 @@ def _parse(argv):
         ap.error(f"--json {args.json}: is a directory; name the file to write")
     if args.json and not os.path.isdir(os.path.dirname(os.path.abspath(args.json))):
         ap.error(f"--json {args.json}: its directory does not exist")
+    if args.json:
+        existed = os.path.exists(args.json)
+        try:
+            with open(args.json, "a"):
+                pass
+        except OSError as e:
+            ap.error(f"--json {args.json}: cannot be written ({e.strerror or type(e).__name__})")
+        if not existed:
+            os.remove(args.json)
     if args.threads is not None:
         try:
             kernels.set_num_threads(args.threads)

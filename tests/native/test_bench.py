@@ -72,6 +72,16 @@ def test_bench_refuses_a_json_path_that_is_a_directory_before_the_run(tmp_path, 
     assert e.value.code == 2 and f"--json {tmp_path}: is a directory" in capsys.readouterr().err
 
 
+def test_bench_refuses_a_json_path_it_cannot_write_before_the_run(tmp_path, monkeypatch, capsys):
+    monkeypatch.setattr(bench, "check_against_reference", lambda isa: pytest.fail("the run started"))
+    with pytest.raises(SystemExit) as e:
+        bench.main(["--numel", "4099", "--repeats", "1", "--isa", "scalar", "--json", "/proc/bench.json"])
+    assert e.value.code == 2 and "--json /proc/bench.json: cannot be written" in capsys.readouterr().err
+    monkeypatch.undo()
+    bench.main(["--numel", "4099", "--repeats", "1", "--isa", "scalar", "--json", str(tmp_path / "b.json")])
+    assert (tmp_path / "b.json").stat().st_size > 0  # a writable path is written, after the run
+
+
 def test_verdict_names_the_isa_it_reports_when_isa_leaves_out_the_dispatched_one(capsys):
     dispatched = kernels.isa()
     others = [isa for isa in kernels.available_isas() if isa != dispatched]
