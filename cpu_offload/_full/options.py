@@ -168,6 +168,10 @@ def staging_rings(records, keep: set, compute_dtype, *, pinned_bytes: Optional[i
             pinned_bytes = max(PINNED_MIN, room // PINNED_MIN * PINNED_MIN) if fill else PINNED_MIN
     if num_slots is None:
         num_slots = max(4, pinned_bytes // (2 * SLOT_BYTES))
+    elif 2 * num_slots * 4096 > pinned_bytes:  # NOTE: given alone: slots of 4 KiB would exceed the default
+        raise ValueError(f"num_slots={num_slots} needs at least {2 * num_slots * 4096} bytes of pinned staging (two "
+                         f"rings of slots of at least 4096 bytes), more than the {pinned_bytes} bytes this model gets: "
+                         "give fewer slots, or pinned_bytes as well")
     default = Rings(num_slots, num_slots, max(4096, min(pinned_bytes // (2 * num_slots), all_grads)))
     if not backlog or sized:
         return default

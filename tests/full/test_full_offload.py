@@ -411,6 +411,15 @@ def test_bad_options_are_refused_naming_the_argument(name, bad, error):
         assert value.dtype == torch.float32 and torch.equal(value, before[key]), key
 
 
+def test_num_slots_alone_that_would_exceed_the_pinned_default_is_refused():
+    # Slots are at least 4 KiB: a million of them took 8 GB of pinned memory, past the default cap.
+    model, opt = build("adamw")
+    with pytest.raises(ValueError, match=r"num_slots=1000000 needs at least 8192000000 bytes of pinned staging"):
+        FullCPUOffloadOptimizer(opt, num_slots=10**6)
+    assert all(p.dtype == torch.float32 for p in model.parameters())
+    FullCPUOffloadOptimizer(opt, num_slots=8).close()  # within the default: taken
+
+
 def test_keep_fp32_takes_a_generator_of_the_optimizers_parameters():
     model, opt = build("adamw")
     off = FullCPUOffloadOptimizer(opt, keep_fp32=(p for n, p in model.named_parameters() if n == "extra"), **SMALL)
