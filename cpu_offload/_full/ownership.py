@@ -116,9 +116,10 @@ def check_not_cast(records) -> None:
             continue
         raise RuntimeError(
             f"parameter {rec.name} was cast from {original} to {cast_to} by an earlier full-offload optimizer, "
-            f"whose fp32 masters held its real values, and is {rec.param.dtype} now; reuse that optimizer (or "
-            f"load its state_dict(), which has the masters, into this one after converting the parameters back "
-            f"with model.to({original})), instead of wrapping the cast model again"
+            f"whose fp32 masters held its real values, and is {rec.param.dtype} now. That optimizer was closed or "
+            f"dropped (a live one is reused, not wrapped again): convert the parameters back with "
+            f"model.to({original}) and load a state_dict() saved from it, which has the masters, into this one; "
+            f"with none saved, model.to({original}) alone takes the {cast_to} values as they are"
         )
 
 
