@@ -165,6 +165,9 @@ def _param_ids(param_groups) -> list:
     return [[id(p) for p in group["params"]] for group in param_groups]
 
 
+_GRAD_SCALER_STEP = torch.amp.GradScaler.step.__code__
+
+
 class FullCPUOffloadOptimizer(WindowControls, torch.optim.Optimizer):
     """Wraps a torch.optim.AdamW or cpu_offload.SignSGD and runs it on the CPU
     during backward.
@@ -225,9 +228,13 @@ class FullCPUOffloadOptimizer(WindowControls, torch.optim.Optimizer):
             None: ``step()`` returns once every new weight is on the device, as in torch.
     """
 
-    # NOTE: so that torch.amp.GradScaler.step() calls step() with its grad_scale and found_inf
-    # set, which step() refuses, saying why; otherwise it raised "No inf checks were recorded".
-    _step_supports_amp_scaling = True
+    @property
+    def _step_supports_amp_scaling(self) -> bool:
+        """True when torch.amp.GradScaler.step() asks: it then calls step() with its grad_scale and
+        found_inf set, which step() refuses, saying why (else it raised "No inf checks were
+        recorded"). NOTE: False for anyone else: Lightning's mixed precision refuses to clip an
+        optimizer that unscales its own gradients, which this one does not."""
+        return sys._getframe(1).f_code is _GRAD_SCALER_STEP
 
     def __init__(
         self,

@@ -41,12 +41,13 @@ class TinyLM(L.LightningModule):
         return {"optimizer": self.opt, "lr_scheduler": {"scheduler": sched, "interval": "step"}}
 
 
-def train_lightning(make_opt, *, n_rows, grad_accum, clip):
+def train_lightning(make_opt, *, n_rows, grad_accum, clip, precision="32-true"):
     module = TinyLM(make_opt)
     loader = torch.utils.data.DataLoader(token_rows(n_rows), batch_size=2, shuffle=False)
     trainer = L.Trainer(accelerator="cpu", devices=1, max_steps=20, max_epochs=100, logger=False,
                         enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
-                        accumulate_grad_batches=grad_accum, gradient_clip_val=1.0 if clip else None)
+                        accumulate_grad_batches=grad_accum, gradient_clip_val=1.0 if clip else None,
+                        precision=precision)
     trainer.fit(module, loader)
     return module.losses, module
 
@@ -92,6 +93,15 @@ def test_lightning_gradient_clip_val_clips_full_offload_like_the_option():
     torch.nn.utils.clip_grad_norm_) equals the optimizer's own max_grad_norm loss for loss.
     Before, Lightning's clipping saw no gradient and clipped nothing, without a word."""
     option, framework = framework_clipping_and_option(lambda make, clip: train_lightning(make, n_rows=40, grad_accum=2, clip=clip)[0])
+    assert framework == option
+
+
+def test_lightning_bf16_mixed_gradient_clip_val_clips_full_offload_like_the_option():
+    """Lightning's bf16-mixed precision refuses to clip an optimizer whose step unscales its own
+    gradients (``_step_supports_amp_scaling``): a class attribute that full offload set for
+    torch's GradScaler broke this recipe. It clips as the option does."""
+    option, framework = framework_clipping_and_option(
+        lambda make, clip: train_lightning(make, n_rows=40, grad_accum=2, clip=clip, precision="bf16-mixed")[0])
     assert framework == option
 
 
