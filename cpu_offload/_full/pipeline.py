@@ -356,16 +356,18 @@ class Pipeline:
     def set_timeout(self, timeout_s: float) -> None:
         self.timeout_s = self._runner.timeout_s = timeout_s
 
-    def finish_queued(self) -> None:
-        """A failed window's drain timed out: wait, past ``timeout_s``, until the worker has
-        run every chunk queued.
+    def finish_queued(self) -> bool:
+        """A failed window's drain or staging timed out: queue the open chunk, and wait, past
+        ``timeout_s``, until the worker has run every chunk queued; False if it is not running.
         NOTE: left queued, they ran once the window had closed and been reset: masters and
         weights changed with no step counted (dropped, a parameter split over several chunks
         would be left partly stepped). The wait ends: a chunk's own waits are bounded by
         timeout_s, its kernels by its size, and after a failure the rest are skipped."""
+        self._close_open()
         with self._lock:
             while (self._queue or self._busy is not None) and self._thread.is_alive():
                 self._cv.wait(0.5)
+            return self._thread.is_alive()
 
     def on_worker_thread(self) -> bool:
         return threading.current_thread() is self._thread

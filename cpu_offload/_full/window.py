@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import torch
 
+from cpu_offload._common.interrupts import deferred_interrupts
 from cpu_offload._full.host_state import note_versions
 
 __all__ = ["finish_window", "land_window", "salvage_window", "reset_window"]
@@ -67,20 +68,39 @@ def salvage_window(records, pipeline, transfer) -> tuple[list, list]:
     succeeded, or after its own kernel ran.
     """
     try:
-        try:
-            pipeline.resume_staging()
-        except Exception:
-            pipeline.drop_staging()
-        try:
-            pipeline.drain()
-        except TimeoutError:
-            pipeline.finish_queued()  # NOTE: the window is then recovered with all it stepped
-        transfer.compute_waits_for_h2d()
+        # NOTE: whole against Ctrl-C (held back until the window's chunks have all run): an
+        # interrupt in a wait left chunks queued that ran once the window had been reset, their
+        # masters changed with no step counted. Every wait is bounded (``finish_queued``).
+        with deferred_interrupts():
+            _finish_staging(pipeline)
+            try:
+                pipeline.drain()
+            except TimeoutError:
+                pipeline.finish_queued()  # NOTE: the window is then recovered with all it stepped
+            transfer.compute_waits_for_h2d()
     finally:
         stepped = [r for r in records if r.stepped]
         torn = [r.name for r in records if r.torn]
         note_versions(stepped)
     return stepped, torn
+
+
+def _finish_staging(pipeline) -> None:
+    """Stage the rest of a parameter an exception cut; dropped if that fails but for a wait
+    for a free slot, which the worker frees as it runs what is queued (each round stages at
+    least one slot more: the parameter is never left partly stepped for a slow kernel)."""
+    while True:
+        try:
+            pipeline.resume_staging()
+            return
+        except TimeoutError:
+            if pipeline.finish_queued():
+                continue
+            pipeline.drop_staging()
+            return
+        except Exception:
+            pipeline.drop_staging()
+            return
 
 
 def reset_window(records, pipeline) -> None:
