@@ -1184,6 +1184,7 @@ class FullCPUOffloadOptimizer(WindowControls, torch.optim.Optimizer):
         """Remove the hooks, stop the worker and free the staging rings. Idempotent."""
         if self._proto.phase is Phase.CLOSED:
             return
+        ownership.check_same_process(self._pid)  # NOTE: a forked child has no worker to wait for
         late_edits = None
         try:
             self._settle()  # NOTE: a backward that raised is recovered first: its chunks still count

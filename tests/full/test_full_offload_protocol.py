@@ -912,11 +912,12 @@ def test_optimizer_used_after_fork_fails_at_once():
     assert "after fork()" in msg and proc.exitcode == 0
 
 
-@pytest.mark.parametrize("how", ["exit", "gc"])
+@pytest.mark.parametrize("how", ["exit", "gc", "close"])
 def test_a_child_forked_with_a_window_pending_exits_at_once(tmp_path, how):
     """The wrapper's finalizer, run in a forked child (at its exit, or when the child drops
     the wrapper), waited for queued chunks on a worker thread the child does not have, for
-    the whole timeout_s. It leaves the parent's pipeline alone there."""
+    the whole timeout_s, and so did close() there. The finalizer leaves the parent's pipeline
+    alone there, and close() raises at once, as every other call does in a child."""
     import subprocess
     import sys
     import textwrap
@@ -935,6 +936,12 @@ def test_a_child_forked_with_a_window_pending_exits_at_once(tmp_path, how):
             if {how!r} == "gc":
                 del opt
                 gc.collect()
+            if {how!r} == "close":
+                try:
+                    opt.close()
+                except RuntimeError as e:
+                    sys.exit(0 if "after fork()" in str(e) else 3)
+                sys.exit(4)
             sys.exit(0)
         start = time.monotonic()
         _, status = os.waitpid(pid, 0)
