@@ -5,9 +5,9 @@
 # torch's own "mat1 and mat2 must have the same dtype". Until the optimizer's first backward
 # ends (it calls ``remove()``), two process-wide module hooks watch forward passes; a
 # dtype-mismatch error that mentions bfloat16 gets a note saying what happened and what to
-# do (autocast, or bf16 inputs). Where the innermost failing module holds frozen parameters
-# wider than bf16 (left as they were beside its cast ones), the note names them instead of
-# the inputs. Then training steps pay nothing.
+# do (autocast, or bf16 inputs). Where the innermost failing module got no input wider than
+# bf16 but holds frozen parameters that are (left as they were beside the cast ones), the
+# note names them instead. Then training steps pay nothing.
 # NOTE: torch.compile compiles a module for the process-wide hooks present; a forward run
 # while they are and its checkpointed recompute run once they are gone would differ. So
 # they stay until a backward ends, and go at once, with no hint given, before an outermost
@@ -31,9 +31,9 @@ HINT = ("cpu_offload: offload='full' cast the model's trainable parameters to {d
         "weights live in host RAM), so fp32 inputs no longer match them: run the forward under "
         "torch.autocast(device_type, dtype={dtype}), or give the model {dtype} inputs")
 FROZEN_HINT = ("cpu_offload: offload='full' cast the model's trainable parameters to {dtype} in place (the fp32 "
-               "master weights live in host RAM) and left frozen ones as they were, so in {module} the frozen "
-               "{frozen} {verb} {dtype} ones: run the forward under torch.autocast(device_type, dtype={dtype}), or "
-               "cast those frozen parameters to {dtype}")
+               "master weights live in host RAM) and left frozen ones as they were, so {module}'s frozen {frozen} "
+               "no longer {verb} the {dtype} parameters and activations: run the forward under "
+               "torch.autocast(device_type, dtype={dtype}), or cast those frozen parameters to {dtype}")
 _PREFIX = "cpu_offload: offload='full' cast"
 
 
@@ -50,15 +50,15 @@ def _frozen_wider(module: torch.nn.Module, dtype: torch.dtype) -> list[str]:
             if not p.requires_grad and p.is_floating_point() and p.dtype.itemsize > dtype.itemsize]
 
 
-def _explain(exc: BaseException, dtype: torch.dtype, module: torch.nn.Module) -> None:
+def _explain(exc: BaseException, dtype: torch.dtype, module: torch.nn.Module, wide_inputs: bool) -> None:
     # NOTE: every enclosing module's hook sees the same exception, innermost first: one note,
     # from the module that raised it.
     if any(str(n).startswith(_PREFIX) for n in getattr(exc, "__notes__", ())) or (
             exc.args and _PREFIX in str(exc.args[0])) or not _is_dtype_mismatch(exc, dtype):
         return
-    frozen = _frozen_wider(module, dtype)
+    frozen = [] if wide_inputs else _frozen_wider(module, dtype)
     note = (FROZEN_HINT.format(dtype=dtype, module=type(module).__name__, frozen=", ".join(frozen),
-                                  verb="meets" if len(frozen) == 1 else "meet") if frozen
+                               verb="matches" if len(frozen) == 1 else "match") if frozen
             else HINT.format(dtype=dtype))
     if hasattr(exc, "add_note"):  # Python >= 3.11
         exc.add_note(note)
@@ -84,7 +84,9 @@ class _FirstForward:
             return
         # NOTE: the exception being handled when the forward starts (one when a forward runs
         # in an except block) is not the forward's own failure.
-        stack.append((module, sys.exc_info()[1]))
+        wide = any(isinstance(a, torch.Tensor) and a.is_floating_point() and a.dtype.itemsize > self.dtype.itemsize
+                   for a in args)
+        stack.append((module, sys.exc_info()[1], wide))
 
     def _leave(self, module, args, output) -> None:
         if torch.compiler.is_compiling():
@@ -92,10 +94,10 @@ class _FirstForward:
         stack = getattr(self.local, "stack", None)
         if not stack or stack[-1][0] is not module:
             return
-        _, before = stack.pop()
+        _, before, wide_inputs = stack.pop()
         exc = sys.exc_info()[1]
         if exc is not None and exc is not before:
-            _explain(exc, self.dtype, module)
+            _explain(exc, self.dtype, module, wide_inputs)
 
     def remove(self) -> None:
         for handle in self.handles:

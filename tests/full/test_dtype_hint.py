@@ -53,8 +53,13 @@ def test_a_frozen_fp32_parameter_beside_cast_ones_is_named_in_the_note():
         model(torch.randn(2, 8, dtype=torch.bfloat16))
     notes = getattr(info.value, "__notes__", None) or [str(info.value).split("\n", 1)[1]]
     assert len(notes) == 1
-    assert "in Linear the frozen bias (torch.float32) meets torch.bfloat16 ones" in notes[0]
+    assert "Linear's frozen bias (torch.float32) no longer matches the torch.bfloat16 parameters" in notes[0]
     assert "torch.autocast(device_type, dtype=torch.bfloat16)" in notes[0]
+    # fp32 inputs into that layer: the note names the inputs, which the error is about.
+    with pytest.raises(RuntimeError, match="same dtype") as info:
+        model[2](torch.randn(2, 16))
+    notes = getattr(info.value, "__notes__", None) or [str(info.value).split("\n", 1)[1]]
+    assert "so fp32 inputs no longer match them" in notes[0] and "frozen" not in notes[0]
     # The remedy the note gives works: autocast runs the layer, and the frozen bias stays as it was.
     bias = model[2].bias.detach().clone()
     with torch.autocast("cpu", dtype=torch.bfloat16):
