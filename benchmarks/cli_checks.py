@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import tempfile
 
 __all__ = ["check_output_paths", "check_at_least"]
 
@@ -26,15 +27,17 @@ def check_output_paths(parser: argparse.ArgumentParser, *options: tuple) -> None
 
 
 def unwritable(path: str):
-    """Why ``path`` cannot be written (opened for appending; a file made here is removed), or None."""
-    existed = os.path.exists(path)
+    """Why ``path`` cannot be written, or None: a file there is opened for appending (which
+    changes nothing), else a temporary file is made and removed beside it."""
     try:
-        with open(path, "a"):
-            pass
+        if os.path.exists(path):
+            with open(path, "a"):
+                pass
+        else:
+            with tempfile.NamedTemporaryFile(dir=os.path.dirname(os.path.abspath(path))):
+                pass
     except OSError as e:
         return e.strerror or type(e).__name__
-    if not existed:
-        os.remove(path)
     return None
 
 

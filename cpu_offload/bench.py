@@ -18,6 +18,7 @@ import os
 import platform
 import statistics
 import sys
+import tempfile
 import time
 
 import psutil
@@ -293,14 +294,15 @@ def _parse(argv):
     if args.json and not os.path.isdir(os.path.dirname(os.path.abspath(args.json))):
         ap.error(f"--json {args.json}: its directory does not exist")
     if args.json:
-        existed = os.path.exists(args.json)
-        try:
-            with open(args.json, "a"):
-                pass
+        try:  # NOTE: an existing file is opened for appending (unchanged), else a temporary one made beside it
+            if os.path.exists(args.json):
+                with open(args.json, "a"):
+                    pass
+            else:
+                with tempfile.NamedTemporaryFile(dir=os.path.dirname(os.path.abspath(args.json))):
+                    pass
         except OSError as e:
             ap.error(f"--json {args.json}: cannot be written ({e.strerror or type(e).__name__})")
-        if not existed:
-            os.remove(args.json)
     if args.threads is not None:
         try:
             kernels.set_num_threads(args.threads)
