@@ -196,7 +196,8 @@ class FullCPUOffloadOptimizer(WindowControls, torch.optim.Optimizer):
             room for more; with ``overlap_forward``, the device-to-host ring grows towards
             every gradient, within half of the host RAM left: ``options.staging_rings``).
         num_slots: slots per ring (default None: slots of about 256 MiB, at least 4).
-        timeout_s: limit for every wait of the pipeline (default 600 s).
+        timeout_s: limit for every wait of the pipeline (default 600 s; settable later). The
+            recovery after a wait that timed out runs the chunks already queued first, past it.
         sysfs_root: where sysfs is mounted (for the topology binding).
         max_grad_norm: clip every step to this total 2-norm, as
             ``torch.nn.utils.clip_grad_norm_`` would (default None: only when
