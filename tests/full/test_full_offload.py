@@ -389,6 +389,29 @@ def test_a_timeout_in_backward_leaves_each_step_count_with_its_master(monkeypatc
     off.close()
 
 
+@pytest.mark.parametrize("unscale_first", [False, True])
+def test_a_grad_scaler_step_is_refused_saying_why_and_what_to_do(unscale_first):
+    """torch.amp.GradScaler cannot work here (the update runs during backward, on the scaled
+    gradients). scaler.step(opt) raised torch's "No inf checks were recorded for this
+    optimizer"; it now raises saying why and what to do, and leaves the window for step()."""
+    model, opt = build("adamw")
+    off = FullCPUOffloadOptimizer(opt, **SMALL)
+    scaler = torch.amp.GradScaler("cpu", init_scale=4.0)
+    scaler.scale(model(torch.randn(2, 24, dtype=torch.bfloat16)).float().sum()).backward()
+    if unscale_first:
+        scaler.unscale_(off)
+    with pytest.raises(RuntimeError, match=r"torch.amp.GradScaler does not work with offload='full'.*drop the scaler"):
+        scaler.step(off)
+    assert not hasattr(off, "found_inf") and not hasattr(off, "grad_scale")  # nothing of the scaler's is left
+    steps = [r.step for r in records_of(off)]
+    off.step()  # the window closes as without the scaler
+    off.zero_grad()
+    assert [r.step for r in records_of(off)] == steps
+    model(torch.randn(2, 24, dtype=torch.bfloat16)).float().sum().backward()
+    off.step()
+    off.close()
+
+
 BAD_OPTIONS = [
     *[pytest.param(name, bad, error, id=f"{name}={bad!r}") for name, bad, error in [
         ("timeout_s", float("inf"), ValueError), ("timeout_s", 1e30, ValueError), ("timeout_s", 0, ValueError),
