@@ -78,6 +78,13 @@ torch_clipping.install()
 torch_zero_grad.install()
 
 
+def _add_note(exc: BaseException, note: str) -> None:
+    if hasattr(exc, "add_note"):  # Python >= 3.11
+        exc.add_note(note)
+    elif exc.args and isinstance(exc.args[0], str):
+        exc.args = (f"{exc.args[0]}\n{note}",) + exc.args[1:]
+
+
 def _user_stacklevel() -> int:
     """The ``stacklevel`` that points a warning at the first frame outside this
     package and torch (whose optimizer and autograd wrappers sit in between)."""
@@ -668,6 +675,7 @@ class FullCPUOffloadOptimizer(WindowControls, torch.optim.Optimizer):
             work()
         except BaseException as exc:
             if self._proto.phase in (Phase.BACKWARD, Phase.ACCUMULATING, Phase.APPLIED):
+                final = self._proto.final
                 self._proto.move(Phase.ABORTED)
                 kept = self._recover(quiet=True)
                 # NOTE: not a KeyboardInterrupt: a real one waits for this work (deferred_interrupts)
@@ -677,6 +685,11 @@ class FullCPUOffloadOptimizer(WindowControls, torch.optim.Optimizer):
                         f"{[rec.name for rec in kept]} keep the update made during backward, before the step's "
                         "clipping, scale_grads_ factor, non-finite check or late hyper-parameters were applied, so "
                         "their state is not the step torch would make: reload the last checkpoint") from exc
+                if final and not isinstance(exc, KeyboardInterrupt):
+                    _add_note(exc, f"cpu_offload: the window was closed: {len(kept)} of {len(self._records)} "
+                                   "parameters had their update applied and count this step (as if the others had "
+                                   "no gradient)" + ("; the other ranks may have stepped otherwise: reload the last "
+                                                     "checkpoint on every rank" if self._multi_rank else ""))
             raise
         self._proto.blocked_s += time.perf_counter() - t0
 
