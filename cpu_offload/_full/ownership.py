@@ -18,7 +18,9 @@ import torch
 __all__ = ["check_unowned", "claim", "release", "owner_of", "owned_count", "mark_cast", "unmark_cast", "check_not_cast",
            "check_not_ddp", "check_same_process"]
 
-_lock = threading.Lock()
+# NOTE: reentrant: the garbage collector may run inside a section holding it (claim() allocates)
+# and finalize a dropped wrapper there, whose release() takes it again on the same thread.
+_lock = threading.RLock()
 _owners: dict = {}  # id(param) -> (weakref to the param, weakref to the owning wrapper)
 _CAST_ATTR = "_cpu_offload_cast_from"
 _ddp_instances: "weakref.WeakSet" = weakref.WeakSet()  # live DistributedDataParallel wrappers

@@ -957,6 +957,46 @@ def test_a_child_forked_with_a_window_pending_exits_at_once(tmp_path, how):
     assert code == "0" and float(seconds) < 20 and steps == "1", out.stdout
 
 
+def test_a_wrapper_finalized_by_the_garbage_collector_while_another_is_built_does_not_deadlock(monkeypatch):
+    """The collector can run inside a construction (claim() allocates a weak reference per
+    parameter) and finalize an unreachable wrapper there, whose release takes the ownership
+    lock that claim() holds: the test suite hung in it. The lock is reentrant."""
+    import gc
+    import threading
+    import types
+    import weakref
+    from cpu_offload._full import ownership
+
+    def build_while_another_is_finalized(done):
+        torch.manual_seed(0)
+        old = FullCPUOffloadOptimizer(torch.optim.AdamW(Net().parameters()), **SMALL)
+        old.cycle = old  # unreachable once dropped, until the collector runs
+        del old
+        collected = []
+
+        def ref_that_collects(obj, *args):
+            if not collected:
+                collected.append(gc.collect())  # NOTE: inside claim(), with its lock held
+            return weakref.ref(obj, *args)
+        # NOTE: the module's own name only, so only ownership.py's weak references collect
+        monkeypatch.setattr(ownership, "weakref", types.SimpleNamespace(ref=ref_that_collects))
+        new = FullCPUOffloadOptimizer(torch.optim.AdamW(Net().parameters()), **SMALL)
+        done.append((collected, new))
+
+    gc.disable()
+    try:
+        done: list = []
+        thread = threading.Thread(target=build_while_another_is_finalized, args=(done,), daemon=True)
+        thread.start()
+        thread.join(30)
+    finally:
+        gc.enable()
+    assert not thread.is_alive(), "deadlocked"
+    (collected, new), = done
+    assert collected and collected[0] > 0  # the old wrapper was collected inside claim()
+    new.close()
+
+
 def test_ddp_model_is_refused(gloo_group):
     model = nn.parallel.DistributedDataParallel(Net())
     with pytest.raises(RuntimeError, match="DistributedDataParallel model"):
