@@ -13,6 +13,8 @@
 # they stay until a backward ends, and go at once, with no hint given, before an outermost
 # forward that holds a compiled module: the model compiles once, without them.
 #
+# ``add_note`` (a note on an exception, also on Python < 3.11) serves the optimizer's errors too.
+#
 # Non-goals: checking inputs before the forward (a model may cast its inputs itself, so a
 # check could refuse a correct model), replacing torch's exception (a hook cannot: torch
 # silences a hook's exception while another one propagates, so the note is added to it).
@@ -25,7 +27,7 @@ import threading
 import torch
 from torch.nn.modules.module import register_module_forward_hook, register_module_forward_pre_hook
 
-__all__ = ["HINT", "watch_first_forward"]
+__all__ = ["HINT", "add_note", "watch_first_forward"]
 
 HINT = ("cpu_offload: offload='full' cast the model's trainable parameters to {dtype} in place (the fp32 master "
         "weights live in host RAM), so fp32 inputs no longer match them: run the forward under "
@@ -57,9 +59,13 @@ def _explain(exc: BaseException, dtype: torch.dtype, module: torch.nn.Module, wi
             exc.args and _PREFIX in str(exc.args[0])) or not _is_dtype_mismatch(exc, dtype):
         return
     frozen = [] if wide_inputs else _frozen_wider(module, dtype)
-    note = (FROZEN_HINT.format(dtype=dtype, module=type(module).__name__, frozen=", ".join(frozen),
-                               verb="matches" if len(frozen) == 1 else "match") if frozen
-            else HINT.format(dtype=dtype))
+    add_note(exc, FROZEN_HINT.format(dtype=dtype, module=type(module).__name__, frozen=", ".join(frozen),
+                                     verb="matches" if len(frozen) == 1 else "match") if frozen
+             else HINT.format(dtype=dtype))
+
+
+def add_note(exc: BaseException, note: str) -> None:
+    """Add ``note`` to an exception being raised (on Python < 3.11, to its message)."""
     if hasattr(exc, "add_note"):  # Python >= 3.11
         exc.add_note(note)
     elif exc.args and isinstance(exc.args[0], str):

@@ -45,7 +45,7 @@ from cpu_offload._full.host_state import (
     collect_records, host_bytes_needed, note_versions, restore_dtypes, show_steps, write_compute_copies,
 )
 from cpu_offload._common.dtensor import local_of
-from cpu_offload._full.dtype_hint import watch_first_forward
+from cpu_offload._full.dtype_hint import add_note, watch_first_forward
 from cpu_offload._common.interrupts import deferred_interrupts
 from cpu_offload._full.options import (
     check_clipping_options, check_gpu_state, check_keep_fp32, check_optimizer, check_options, check_timeout,
@@ -76,13 +76,6 @@ __all__ = ["FullCPUOffloadOptimizer"]
 # gets the function that clips full offload's gradients through the optimizer.
 torch_clipping.install()
 torch_zero_grad.install()
-
-
-def _add_note(exc: BaseException, note: str) -> None:
-    if hasattr(exc, "add_note"):  # Python >= 3.11
-        exc.add_note(note)
-    elif exc.args and isinstance(exc.args[0], str):
-        exc.args = (f"{exc.args[0]}\n{note}",) + exc.args[1:]
 
 
 def _user_stacklevel() -> int:
@@ -686,7 +679,7 @@ class FullCPUOffloadOptimizer(WindowControls, torch.optim.Optimizer):
                         "clipping, scale_grads_ factor, non-finite check or late hyper-parameters were applied, so "
                         "their state is not the step torch would make: reload the last checkpoint") from exc
                 if final and not isinstance(exc, KeyboardInterrupt):
-                    _add_note(exc, f"cpu_offload: the window was closed: {len(kept)} of {len(self._records)} "
+                    add_note(exc, f"cpu_offload: the window was closed: {len(kept)} of {len(self._records)} "
                                    "parameters had their update applied and count this step (as if the others had "
                                    "no gradient)" + ("; the other ranks may have stepped otherwise: reload the last "
                                                      "checkpoint on every rank" if self._multi_rank else ""))
