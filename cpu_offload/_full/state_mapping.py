@@ -338,5 +338,11 @@ class StateMapping(MutableMapping):
         except TypeError:
             return False
 
+    def __reduce__(self):
+        # NOTE: pickle, torch.save and copy.deepcopy of opt.state get what torch's would give: a
+        # dict {param: {key: tensor}}, here a snapshot whose tensors are copies of the host state.
+        return (dict, ([(param, {key: value.clone() for key, value in entry.items()})
+                        for param, entry in self._entries.items()],))
+
     def __repr__(self) -> str:
         return f"StateMapping({len(self._entries)} parameters)"

@@ -476,3 +476,40 @@ def test_an_uncloned_state_dict_is_the_live_state_as_torchs(gpu_state):
     finally:
         for o in runs:
             o.close()
+
+
+@pytest.mark.parametrize("gpu_state", [None, HALF_STATE], ids=["host", "split"])
+def test_pickling_or_copying_opt_state_gives_a_snapshot_as_torchs(gpu_state):
+    """``pickle.dumps(opt.state)`` failed on a lambda inside the mapping. torch's ``opt.state``
+    pickles and deep-copies as a dict of the entries; full offload's now gives the same: a
+    snapshot ``{param: {key: tensor}}`` whose tensors are copies, not the live host state."""
+    import io
+    import pickle
+
+    model, opt = build("adamw")
+    off = FullCPUOffloadOptimizer(opt, gpu_state=gpu_state, **SMALL)
+    try:
+        for s in range(2):
+            ((x, extra),) = batches(s, 1)
+            model(x.to(torch.bfloat16), use_extra=extra).float().pow(2).mean().backward()
+            off.step()
+            off.zero_grad()
+        live = {p: {k: v.clone() for k, v in entry.items()} for p, entry in off.state.items()}
+        buffer = io.BytesIO()
+        torch.save(off.state, buffer)
+        buffer.seek(0)
+        copies = [pickle.loads(pickle.dumps(off.state)), copy.deepcopy(off.state),
+                  torch.load(buffer, weights_only=False)]
+        for snap in copies:
+            assert type(snap) is dict and len(snap) == len(live)
+            for (p, entry), (q, values) in zip(live.items(), snap.items()):
+                assert torch.equal(q.detach(), p.detach()) and type(values) is dict
+                assert list(values) == list(entry) == ["step", "master", "exp_avg", "exp_avg_sq"]
+                for key, value in entry.items():
+                    assert torch.equal(values[key], value), key
+        p0 = next(iter(live))
+        for snap in copies:  # copies, not views of the host state
+            next(iter(snap.values()))["exp_avg"].add_(1.0)
+        assert torch.equal(off.state[p0]["exp_avg"], live[p0]["exp_avg"])
+    finally:
+        off.close()
