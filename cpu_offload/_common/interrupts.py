@@ -4,6 +4,8 @@
 # others not, with nothing to tell which. ``deferred_interrupts()`` holds SIGINT back
 # until the block is complete, then delivers it as the handler in place would have.
 #
+# ``interruptible()`` lets a user's callback inside such a block (a closure) be interrupted.
+#
 # Scope: SIGINT on the main thread (the only thread Python delivers signals to; on any
 # other thread the block runs as is). Non-goals: other signals, and making a block that
 # hangs interruptible (every wait of the pipeline has its own timeout).
@@ -15,7 +17,7 @@ import signal
 import threading
 from typing import Iterator
 
-__all__ = ["deferred_interrupts"]
+__all__ = ["deferred_interrupts", "interruptible"]
 
 
 @contextlib.contextmanager
@@ -25,10 +27,10 @@ def deferred_interrupts() -> Iterator[None]:
     if threading.current_thread() is not threading.main_thread():
         yield
         return
-    received: list = []
     previous = signal.getsignal(signal.SIGINT)
+    deferring = _Deferring(previous)
     try:
-        signal.signal(signal.SIGINT, lambda signum, frame: received.append(frame))
+        signal.signal(signal.SIGINT, deferring)
     except ValueError:  # not the main interpreter
         yield
         return
@@ -36,8 +38,34 @@ def deferred_interrupts() -> Iterator[None]:
         yield
     finally:
         signal.signal(signal.SIGINT, previous)
-        if received:
-            _deliver(previous, received[0])
+        if deferring.received:
+            _deliver(previous, deferring.received[0])
+
+
+@contextlib.contextmanager
+def interruptible() -> Iterator[None]:
+    """Inside ``deferred_interrupts()``: run the block with SIGINT handled at once, as outside
+    it (a user's callback, such as a ``step(closure)``'s closure, which may block)."""
+    handler = signal.getsignal(signal.SIGINT) if threading.current_thread() is threading.main_thread() else None
+    if not isinstance(handler, _Deferring):
+        yield
+        return
+    signal.signal(signal.SIGINT, handler.previous)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGINT, handler)
+
+
+class _Deferring:
+    """The SIGINT handler of a deferred block: records the signal for delivery at its end."""
+
+    def __init__(self, previous):
+        self.previous = previous  # the handler the block replaced
+        self.received: list = []
+
+    def __call__(self, signum, frame) -> None:
+        self.received.append(frame)
 
 
 def _deliver(handler, frame) -> None:

@@ -132,14 +132,21 @@ def step_without_global_hooks(optimizer: torch.optim.Optimizer) -> Callable:
     around the wrapper's own step, and torch runs each once per step. The optimizer's own
     step hooks run around it as ``Optimizer.profile_hook_step`` runs them.
 
-    NOTE: a step patched on the instance (``optimizer.step = ...``), or a class step torch did
-    not hook, is called as it is."""
+    NOTE: an LR scheduler built on the optimizer before it was wrapped patched its step on the
+    instance, to mark ``_opt_called`` and call the class step: that mark is set here. Any other
+    step patched on the instance (``optimizer.step = ...``), or a class step torch did not hook,
+    is called as it is."""
     hooked = type(optimizer).step
     func = getattr(hooked, "__wrapped__", None)
-    if not getattr(hooked, "hooked", False) or func is None or "step" in vars(optimizer):
+    patched = vars(optimizer).get("step")
+    by_scheduler = (getattr(patched, "_wrapped_by_lr_sched", False)
+                    and getattr(patched, "__wrapped__", None) is hooked)
+    if not getattr(hooked, "hooked", False) or func is None or (patched is not None and not by_scheduler):
         return optimizer.step
 
     def step(*args, **kwargs):
+        if by_scheduler:
+            optimizer._opt_called = True  # what the scheduler's patch does before the class step
         args = (optimizer, *args)
         for pre_hook in list(optimizer._optimizer_step_pre_hooks.values()):
             result = pre_hook(optimizer, args, kwargs)

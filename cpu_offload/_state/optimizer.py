@@ -17,7 +17,7 @@ from __future__ import annotations
 import torch
 
 from cpu_offload._common.checks import check_int
-from cpu_offload._common.interrupts import deferred_interrupts
+from cpu_offload._common.interrupts import deferred_interrupts, interruptible
 from cpu_offload._state.staging import StateStaging
 from cpu_offload._common.wrapping import (
     adopt_optimizer, check_not_offloaded, load_state_dict_with_hooks, refuse_copy, release_optimizer,
@@ -134,7 +134,17 @@ class StateOffloadOptimizer(torch.optim.Optimizer):
         to (LBFGS: several times; its backward then runs with the state on the device)."""
         result = []
         step = step_without_global_hooks(self.optimizer)
-        self._staging.run_step(lambda: result.append(step() if closure is None else step(closure)))
+        if closure is None:
+            self._staging.run_step(lambda: result.append(step()))
+        else:
+            # NOTE: the step defers Ctrl-C (staging.run_step); the user's closure, which may block
+            # (a data fetch, a collective), is interrupted at once, and the step recovers from
+            # its KeyboardInterrupt as from any exception the closure raises.
+            def interruptible_closure():
+                with interruptible():
+                    return closure()
+
+            self._staging.run_step(lambda: result.append(step(interruptible_closure)))
         return result[0]
 
     def stats(self) -> dict:

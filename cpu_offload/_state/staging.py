@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import threading
 import time
+import warnings
 import weakref
 
 import torch
@@ -82,6 +83,7 @@ class StateStaging:
         self.prefetch_bytes = prefetch_bytes
         self.grad_accum_steps = grad_accum_steps
         self.host: dict = {}  # (id(param), key) -> host tensor (the local shard for DTensors)
+        self.placed: dict = {}  # (id(param), key) -> the step's copy of that host tensor, until copied out
         self.copies: dict = {}  # device -> CudaStateCopies | SyncStateCopies
         self.out_events: dict = {}  # id(param) -> event after the last copy-out of its state
         self.prefetched: dict = {}  # id(param) -> {key: (state value, its _versions, device copy)}
@@ -97,6 +99,7 @@ class StateStaging:
         self.h2d_bytes = 0  # since the last step, prefetches included
         self.timing = None  # the last step's timing events around the wait for copy-ins
         self.refused = None  # why this optimizer's state cannot be offloaded, once a step showed it
+        self.kept_on_device: set = set()  # (id(param), key) of sparse state tensors, each warned about once
         self.last_stats = {"h2d_bytes": 0, "d2h_bytes": 0, "prefetched_bytes": 0, "step_copied_bytes": 0,
                            "overlapped_d2h_bytes": 0, "step_blocked_s": 0.0, "copy_wait_s": 0.0, "host_bytes": 0}
         # NOTE: hooks run on autograd's device threads (FSDP2: on its reduce path);
@@ -274,7 +277,8 @@ class StateStaging:
         for g, group in enumerate(self.optimizer.param_groups):
             for i, p in enumerate(group["params"]):
                 for key, value in (self.optimizer.state.get(p) or {}).items():
-                    if id(value) in placed or not isinstance(value, torch.Tensor) or value.dim() == 0:
+                    if (id(value) in placed or not isinstance(value, torch.Tensor) or value.dim() == 0
+                            or value.layout != torch.strided):  # a sparse tensor stays on the device
                         continue
                     local = local_of(value)
                     if local.device != local_of(p).device or local.numel() == 0:
@@ -318,23 +322,30 @@ class StateStaging:
                 # through a reference taken before: a replaced tensor or dict, or an in-place
                 # write (a moved version counter), has it copied in again.
                 if staged_value is value and version == _versions(value):
-                    state[key] = as_dtensor_like(dev, value)
+                    state[key] = self._place(p, key, as_dtensor_like(dev, value), host)
                     used += _nbytes(host)
                 else:
-                    later.setdefault(local_of(p).device, []).append((state, key, value, host))
+                    later.setdefault(local_of(p).device, []).append((p, state, key, value, host))
         copied = 0
         for device, items in later.items():
             engine = self._engine(device)
             # NOTE: after the latest copy-out of any host buffer (by now long done).
             devs = engine.copy_in([host for *_, host in items], after=engine.last_out)
-            for (state, key, value, host), dev in zip(items, devs):
-                state[key] = as_dtensor_like(dev, value)
+            for (p, state, key, value, host), dev in zip(items, devs):
+                state[key] = self._place(p, key, as_dtensor_like(dev, value), host)
                 copied += _nbytes(host)
         self.timing = None
         for engine in self.copies.values():
             timing = engine.compute_waits_for_copy_ins(timed=self.timing is None)
             self.timing = self.timing or timing
         return used, copied
+
+    def _place(self, p: torch.Tensor, key: str, dev: torch.Tensor, host: torch.Tensor) -> torch.Tensor:
+        """``dev``, the step's copy of ``host``; remembered when ``host`` is the buffer ``_copy_out``
+        may write it back into."""
+        if host is self.host.get((id(p), key)):
+            self.placed[(id(p), key)] = dev
+        return dev
 
     def _copy_out(self, overlap_bytes: int = 0) -> tuple:
         """Move every device state tensor (dim >= 1, on its parameter's device)
@@ -353,12 +364,20 @@ class StateStaging:
             for key, value in state.items():
                 if not isinstance(value, torch.Tensor) or value.dim() == 0:
                     continue  # scalars such as AdamW's "step" stay where they are
+                if value.layout != torch.strided:
+                    self._keep_on_device(p, key)
+                    continue
                 local = local_of(value)
                 host = self.host.get((id(p), key))
                 if local.device != device or local is host:
                     continue
-                if host is None or host.shape != local.shape or host.dtype != local.dtype:
-                    # NOTE: allocated once, at the first step (pinning is slow).
+                # NOTE: a buffer takes back only the copy the step got from it. A state tensor
+                # the step made, or one a load, a reset or an assignment put in its place, gets
+                # a new buffer: a state_dict() kept from before holds the old one, as torch's
+                # holds the tensors the state had then.
+                if self.placed.get((id(p), key)) is not value:
+                    # NOTE: so allocated at the first step only, for an optimizer that updates its
+                    # state in place (pinning is slow).
                     host = torch.empty_like(local, device="cpu", pin_memory=self.pin)
                     self.host[(id(p), key)] = host
                 pairs.append((host, local))
@@ -378,7 +397,20 @@ class StateStaging:
                 self.overlap.step_ended(engine.compute, timing)
         for state, key, host, value in entries:
             state[key] = as_dtensor_like(host, value)
+        self.placed.clear()
         return moved, overlapped
+
+    def _keep_on_device(self, p: torch.Tensor, key: str) -> None:
+        """A state tensor that is not strided (SGD's momentum of a sparse gradient) stays where the
+        step made it: its size changes from step to step, so no fixed host buffer can hold it."""
+        if (id(p), key) in self.kept_on_device:
+            return
+        self.kept_on_device.add((id(p), key))
+        where = next((f"param_groups[{g}][{i}]" for g, group in enumerate(self.optimizer.param_groups)
+                      for i, q in enumerate(group["params"]) if q is p), "a parameter")
+        warnings.warn(f"{type(self.optimizer).__name__}'s state {where}['{key}'] is a sparse tensor: it stays on "
+                      "its parameter's device between steps (offload='optimizer' moves only strided state "
+                      "tensors to the host)", stacklevel=4)
 
     # ------------------------------------------------------------ waiting
     def wait(self) -> None:

@@ -3,6 +3,8 @@
 # as it does between pinned host RAM and the GPU.
 import copy
 import io
+import time
+import warnings
 
 import pytest
 import torch
@@ -511,3 +513,158 @@ def test_a_failure_while_the_state_moves_to_the_host_leaves_the_step_state(monke
     train(m2, wrapped, data[1:3])
     for p, q in zip(m1.parameters(), m2.parameters()):
         assert torch.equal(p, q)
+
+
+@pytest.mark.parametrize("replace", ["load_state_dict", "reset", "assign"])
+def test_a_kept_state_dict_is_left_alone_when_the_state_is_replaced_as_in_torch(replace):
+    """``state_dict()`` hands out the host buffers, and the step after a ``load_state_dict(other)``
+    (or a reset, or a new tensor assigned to an entry) copied the new state into those same
+    buffers: a state_dict kept from before (an in-memory "best" checkpoint) took the other
+    state's moments, and loading it back later trained on a mix without a word. In torch the
+    kept dict holds the tensors the state had, which the replacement leaves alone."""
+    from collections import defaultdict
+
+    def run(wrap):
+        model, data = model_and_data()
+        other_model, _ = model_and_data(seed=1)
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1)
+        other = torch.optim.AdamW(other_model.parameters(), lr=1e-2, weight_decay=0.1)
+        if wrap:
+            opt = StateOffloadOptimizer(opt)
+        train(model, opt, data[:2])
+        train(other_model, other, data[2:5])
+        kept = opt.state_dict()
+        if replace == "load_state_dict":
+            opt.load_state_dict(copy.deepcopy(other.state_dict()))
+        elif replace == "reset":
+            opt.state = defaultdict(dict)
+        else:
+            for p, q in zip(model.parameters(), other_model.parameters()):
+                opt.state[p]["exp_avg"] = other.state[q]["exp_avg"].clone()
+        train(model, opt, data[2:4])
+        kept_then = copy.deepcopy(kept)
+        opt.load_state_dict(kept)  # back to the kept state
+        train(model, opt, data[4:])
+        return kept_then, [p.detach().clone() for p in model.parameters()], copy.deepcopy(opt.state_dict())
+
+    (want_kept, want_params, want_sd), (kept, params, sd) = run(False), run(True)
+    for saved, expected in ((kept, want_kept), (sd, want_sd)):
+        assert saved["state"].keys() == expected["state"].keys()
+        for i, entry in expected["state"].items():
+            for key, value in entry.items():
+                assert torch.equal(saved["state"][i][key], value), (i, key)
+    for a, b in zip(want_params, params):
+        assert torch.equal(a, b)
+
+
+def test_an_lr_scheduler_built_before_wrapping_runs_the_global_step_hooks_once():
+    """An LR scheduler built on the torch optimizer patches its ``step`` on the instance; the
+    wrapper then ran the global step hooks around its own step and again inside the patched
+    one, so a hook that edits the weights applied twice."""
+    from torch.optim.optimizer import register_optimizer_step_post_hook
+
+    def run(wrap):
+        calls = []
+
+        def decay(opt, args, kwargs):
+            calls.append(type(opt).__name__)
+            with torch.no_grad():
+                for group in opt.param_groups:
+                    for p in group["params"]:
+                        p.mul_(0.99)
+
+        handle = register_optimizer_step_post_hook(decay)
+        try:
+            model, data = model_and_data()
+            opt = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1)
+            scheduler = torch.optim.lr_scheduler.StepLR(opt, step_size=2, gamma=0.5)
+            if wrap:
+                opt = StateOffloadOptimizer(opt)
+            for x in data:
+                model(x).pow(2).mean().backward()
+                opt.step()
+                opt.zero_grad()
+                with warnings.catch_warnings():
+                    warnings.simplefilter("error")  # "lr_scheduler.step() before optimizer.step()"
+                    scheduler.step()
+        finally:
+            handle.remove()
+        return [p.detach().clone() for p in model.parameters()], calls, scheduler.get_last_lr()
+
+    (want, want_calls, want_lr), (got, calls, lr) = run(False), run(True)
+    assert want_calls == ["AdamW"] * 6 and calls == ["StateOffloadOptimizer"] * 6
+    assert lr == want_lr
+    for a, b in zip(want, got):
+        assert torch.equal(a, b)
+
+
+def test_sparse_state_stays_on_the_device_and_steps_as_torch():
+    """SGD with momentum on a sparse gradient (``nn.Embedding(sparse=True)``) keeps a sparse
+    momentum buffer. The step raised "Cannot access storage of SparseTensorImpl" after the
+    weights had changed, at every step. A sparse state tensor now stays where the step made
+    it, with one warning naming it, and the rest of the state moves to the host as before."""
+    def run(wrap):
+        torch.manual_seed(0)
+        model = nn.ModuleDict({"emb": nn.Embedding(10, 4, sparse=True), "out": nn.Linear(4, 2)})
+        opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+        if wrap:
+            opt = StateOffloadOptimizer(opt)
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            for s in range(4):
+                ids = torch.randint(10, (6,), generator=torch.Generator().manual_seed(s))
+                model["out"](model["emb"](ids)).pow(2).mean().backward()
+                opt.step()
+                opt.zero_grad()
+        return model, opt, [str(w.message) for w in caught]
+
+    (want, plain, _), (got, wrapped, messages) = run(False), run(True)
+    for a, b in zip(want.parameters(), got.parameters()):
+        assert torch.equal(a, b)
+    emb, out = got["emb"].weight, got["out"].weight
+    assert torch.equal(wrapped.state[emb]["momentum_buffer"].to_dense(),
+                       plain.state[want["emb"].weight]["momentum_buffer"].to_dense())
+    assert wrapped.state[emb]["momentum_buffer"].is_sparse
+    assert wrapped.state[out]["momentum_buffer"] is state_staging_of(wrapped).host[(id(out), "momentum_buffer")]
+    sparse = [m for m in messages if "sparse" in m]
+    assert len(sparse) == 1 and "param_groups[0][0]['momentum_buffer']" in sparse[0], messages
+
+
+@pytest.mark.parametrize("make", [
+    lambda ps: torch.optim.LBFGS(ps, lr=0.5, max_iter=4, history_size=3),
+    lambda ps: torch.optim.AdamW(ps, lr=1e-2, weight_decay=0.1),
+], ids=["LBFGS", "AdamW"])
+def test_ctrl_c_inside_a_closure_interrupts_it_at_once_as_in_torch(make):
+    """``step(closure)`` deferred Ctrl-C for the whole step, the user's closure included (Lightning
+    runs each training_step there): a closure that blocked could not be interrupted. The closure
+    now runs with Ctrl-C delivered at once; the state is then where torch leaves it."""
+    import signal
+
+    def run(wrap):
+        model, data = model_and_data()
+        opt = make(model.parameters())
+        if wrap:
+            opt = StateOffloadOptimizer(opt)
+        closure_steps(model, opt, data[:2])
+        calls, finished = [], []
+
+        def closure():
+            opt.zero_grad()
+            loss = model(data[2]).pow(2).mean()
+            loss.backward()
+            calls.append(1)
+            if len(calls) == 2 or not isinstance(opt.optimizer if wrap else opt, torch.optim.LBFGS):
+                signal.raise_signal(signal.SIGINT)
+                for _ in range(100):  # a closure that would block: the interrupt lands here
+                    time.sleep(0.01)
+                finished.append(True)
+            return loss
+
+        with pytest.raises(KeyboardInterrupt):
+            opt.step(closure)
+        assert not finished
+        closure_steps(model, opt, data[3:])
+        return [p.detach().clone() for p in model.parameters()]
+
+    for a, b in zip(run(False), run(True)):
+        assert torch.equal(a, b)
