@@ -432,6 +432,12 @@ def _external_change(rec: ParamRecord) -> Optional[torch.Tensor]:
             f"the compute copy of {rec.name} now has shape {tuple(rec.local().shape)}, but full offload keeps it at "
             f"shape {tuple(rec.shape)} (its master and moments): the parameter was replaced through `.data =` by a "
             "tensor of another shape; give it back its shape, or build the optimizer for the new one")
+    if not rec.local().is_contiguous():
+        raise ValueError(
+            f"the compute copy of {rec.name} is no longer contiguous (strides {rec.local().stride()}): its memory "
+            "format was changed after offload_optimizer wrapped it (model.to(memory_format=torch.channels_last)), "
+            "and full offload copies parameters as flat ranges; keep the parameters contiguous "
+            "(model.to(memory_format=torch.contiguous_format)): channels_last inputs work with them")
     current = rec.local().detach().reshape(-1).to(rec.master.device)
     if torch.equal(current, rec.master.to(current.dtype)):
         rec.version = version

@@ -304,3 +304,50 @@ def test_a_model_cast_between_the_last_backward_and_step_is_refused_before_anyth
         states[cast] = snapshot(off)
         off.close()
     assert_bit_equal(states[True], states[False], "cast back")
+
+
+@pytest.mark.parametrize("when", ["before the window", "before step()"])
+def test_a_parameter_made_non_contiguous_after_wrapping_is_refused_before_anything_changes(when):
+    """``model.to(memory_format=torch.channels_last)`` after wrapping: a conv weight over two
+    staging slots failed in the worker with torch's "view size is not compatible", after the
+    other parameters of its chunk had taken a step they did not count. Now the first call that
+    sees it raises, naming the parameter and the memory format, and changes nothing; made
+    contiguous again, the same window trains as without the change."""
+    def build_conv():
+        torch.manual_seed(0)
+        model = torch.nn.Sequential(torch.nn.Conv2d(16, 32, 3), torch.nn.Flatten(), torch.nn.Linear(32 * 2 * 2, 2))
+        off = FullCPUOffloadOptimizer(torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1), **SMALL)
+        assert model[0].weight.numel() * 2 > SMALL["pinned_bytes"] // 4  # the conv weight spans two slots
+        return model, off
+
+    def window(model, s):
+        x = torch.randn(2, 16, 4, 4, generator=torch.Generator().manual_seed(s)).bfloat16()
+        model(x).float().pow(2).mean().backward()
+
+    states = {}
+    for change in (False, True):
+        model, off = build_conv()
+        window(model, 0)
+        off.step()
+        off.zero_grad()
+        if when == "before step()":
+            window(model, 1)
+        if change:
+            before = snapshot(off)
+            model.to(memory_format=torch.channels_last)
+            with pytest.raises(ValueError, match=r"compute copy of param_groups\[0\]\[0\] is no longer contiguous.*"
+                                                 r"channels_last"):
+                if when == "before the window":
+                    window(model, 1)
+                else:
+                    off.step()
+            assert_bit_equal(snapshot(off), before, "refused")
+            model.to(memory_format=torch.contiguous_format)
+        if when == "before the window":
+            off.zero_grad()
+            window(model, 1)
+        off.step()
+        check_weights_are_rounded_masters(model, off)
+        states[change] = snapshot(off)
+        off.close()
+    assert_bit_equal(states[True], states[False], "made contiguous again")
