@@ -127,6 +127,32 @@ def test_a_second_fit_of_a_full_offload_module_reuses_its_wrapper_or_says_how_to
         once.close()
 
 
+def test_ema_weights_that_lightning_copies_in_through_data_reach_the_masters_by_the_docs_recipe():
+    """Lightning's ``EMAWeightAveraging`` copies the averaged weights into the model at the end of
+    ``fit()`` through ``p.data.copy_``, which moves no version counter, so full offload does not
+    see it: the masters kept the trained weights, and a next step updated those while its
+    gradient came from the averaged ones. docs/frameworks.md says so and gives the recipe that
+    hands the model's weights to the masters; this checks both."""
+    from lightning.pytorch.callbacks import EMAWeightAveraging
+
+    once = FullOffloadMaker(grad_accum_steps=1)
+    try:
+        module = TinyLM(lambda m: once.made[0] if once.made else once(m))
+        loader = torch.utils.data.DataLoader(token_rows(16), batch_size=2, shuffle=False)
+        L.Trainer(accelerator="cpu", devices=1, max_steps=6, logger=False, enable_checkpointing=False,
+                  enable_progress_bar=False, enable_model_summary=False,
+                  callbacks=[EMAWeightAveraging(decay=0.5)]).fit(module, loader)
+        opt = module.opt
+        unseen = [p for p, entry in opt.state.items() if not torch.equal(entry["master"], p.detach().float())]
+        assert unseen  # the limitation the docs state
+        for p, entry in opt.state.items():  # the docs' recipe
+            entry["master"] = p.detach()
+        for p, entry in opt.state.items():
+            assert torch.equal(entry["master"], p.detach().float())
+    finally:
+        once.close()
+
+
 class ValidatedLM(TinyLM):
     def validation_step(self, tokens, batch_idx):
         self.log("val_loss", self.model(input_ids=tokens, labels=tokens).loss)
