@@ -19,6 +19,7 @@
 
 from __future__ import annotations
 
+import sys
 import threading
 import time
 import warnings
@@ -37,6 +38,18 @@ __all__ = ["StateStaging"]
 
 def _nbytes(t: torch.Tensor) -> int:
     return t.numel() * t.element_size()
+
+
+def _held_elsewhere(host: torch.Tensor) -> bool:
+    """Whether anything but ``StateStaging.host`` holds the buffer ``host`` or its memory (a kept
+    ``state_dict()`` or state tensor, a view of it, a tensor detached from it)."""
+    # NOTE: the references counted besides: StateStaging.host's, the caller's name, this argument
+    # and getrefcount's own (a view holds its base); the storage's: the tensor's and the temporary
+    # storage object's.
+    if sys.getrefcount(host) > 4:
+        return True
+    use_count = getattr(torch._C, "_storage_Use_Count", None)  # NOTE: internal: if it goes, never reuse
+    return use_count is None or use_count(host.untyped_storage()._cdata) > 2
 
 
 def _on_grad(staging_ref):
@@ -371,13 +384,14 @@ class StateStaging:
                 host = self.host.get((id(p), key))
                 if local.device != device or local is host:
                     continue
-                # NOTE: a buffer takes back only the copy the step got from it. A state tensor
-                # the step made, or one a load, a reset or an assignment put in its place, gets
-                # a new buffer: a state_dict() kept from before holds the old one, as torch's
-                # holds the tensors the state had then.
-                if self.placed.get((id(p), key)) is not value:
-                    # NOTE: so allocated at the first step only, for an optimizer that updates its
-                    # state in place (pinning is slow).
+                # NOTE: a buffer takes back the copy the step got from it. A state tensor the
+                # step made, or one a load, a reset or an assignment put in its place, gets a new
+                # buffer while anything else holds the old one (a state_dict() kept from before,
+                # as torch's keeps the tensors the state had then); so pinning, which is slow, and
+                # the memory it takes happen once for an optimizer that writes its state in place
+                # or out of place.
+                if host is None or host.shape != local.shape or host.dtype != local.dtype or (
+                        self.placed.get((id(p), key)) is not value and _held_elsewhere(host)):
                     host = torch.empty_like(local, device="cpu", pin_memory=self.pin)
                     self.host[(id(p), key)] = host
                 pairs.append((host, local))

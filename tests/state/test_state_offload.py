@@ -5,6 +5,7 @@ import copy
 import io
 import time
 import warnings
+import weakref
 
 import pytest
 import torch
@@ -667,4 +668,52 @@ def test_ctrl_c_inside_a_closure_interrupts_it_at_once_as_in_torch(make):
         return [p.detach().clone() for p in model.parameters()]
 
     for a, b in zip(run(False), run(True)):
+        assert torch.equal(a, b)
+
+
+class OutOfPlaceMomentum(torch.optim.Optimizer):
+    """Momentum written out of place: each step puts a new tensor under "m"."""
+
+    def __init__(self, params, lr=1e-2):
+        super().__init__(params, dict(lr=lr))
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        for p in self.param_groups[0]["params"]:
+            state = self.state[p]
+            state["m"] = 0.9 * state["m"] + p.grad if state else p.grad.clone()
+            p.sub_(state["m"], alpha=self.defaults["lr"])
+
+
+def test_a_state_tensor_replaced_each_step_reuses_its_buffer_unless_something_holds_it():
+    """A state tensor the step makes anew gets a new host buffer only while something else holds
+    the old one: an optimizer that writes its state out of place took a new (on a GPU, pinned)
+    buffer at every step, twice the host memory in the caching allocator. A tensor read from
+    ``opt.state`` and kept is left as it was, as in torch."""
+    m1, data = model_and_data()
+    m2, _ = model_and_data()
+    plain, wrapped = OutOfPlaceMomentum(m1.parameters()), StateOffloadOptimizer(OutOfPlaceMomentum(m2.parameters()))
+    staging = state_staging_of(wrapped)
+    kept = []  # per step: which buffers are the previous step's (weak references: they must not hold them)
+    previous = {}
+    for s, x in enumerate(data[:5]):
+        for model, opt in ((m1, plain), (m2, wrapped)):
+            model(x).pow(2).mean().backward()
+            opt.step()
+            opt.zero_grad()
+        kept.append({key: key in previous and previous[key]() is host for key, host in staging.host.items()})
+        previous = {key: weakref.ref(host) for key, host in staging.host.items()}
+        if s == 2:
+            p = next(m2.parameters())
+            held, held_values = wrapped.state[p]["m"], wrapped.state[p]["m"].clone()
+        if s == 3:
+            q, r = list(m2.parameters())[1:3]
+            view, view_values = wrapped.state[q]["m"][1:], wrapped.state[q]["m"][1:].clone()
+            detached, detached_values = wrapped.state[r]["m"].detach(), wrapped.state[r]["m"].clone()
+    assert len(kept[0]) == 4 and not any(kept[0].values())
+    assert all(kept[1].values()) and all(kept[2].values())
+    assert not kept[3][(id(p), "m")] and sum(kept[3].values()) == 3  # the held buffer was not reused
+    assert not kept[4][(id(q), "m")] and not kept[4][(id(r), "m")] and sum(kept[4].values()) == 2  # nor those
+    assert torch.equal(held, held_values) and torch.equal(view, view_values) and torch.equal(detached, detached_values)
+    for a, b in zip(m1.parameters(), m2.parameters()):
         assert torch.equal(a, b)
