@@ -1,4 +1,4 @@
-"""SignSGD as a torch.optim.Optimizer (any device, any dtype).
+"""SignSGD as a torch.optim.Optimizer (any device, any floating-point dtype).
 
 p <- p - lr*wd*p (decoupled weight decay, when wd > 0), then p <- p - lr*sign(g),
 sign(0) = 0. The same update as the native ``sign_sgd_step`` kernel, bit for bit on fp32
@@ -80,6 +80,9 @@ class SignSGD(Optimizer):
             for i, p in enumerate(group["params"]):
                 if p.grad is not None and p.grad.is_sparse:
                     raise RuntimeError(f"SignSGD does not support sparse gradients (param_groups[{g}][{i}])")
+                if p.grad is not None and not (p.is_floating_point() and p.grad.is_floating_point()):
+                    raise TypeError(f"SignSGD steps floating-point parameters and gradients; param_groups[{g}][{i}] "
+                                    f"is {p.dtype} with a {p.grad.dtype} gradient")
         for group in self.param_groups:
             lr, wd = group["lr"], group["weight_decay"]
             for p in group["params"]:

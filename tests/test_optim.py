@@ -114,6 +114,20 @@ def test_sign_sgd_refuses_a_sparse_gradient_before_any_parameter_steps():
     assert torch.equal(dense.detach(), torch.full((3,), -0.5))
 
 
+@pytest.mark.parametrize("dtype", [torch.complex64, torch.int64])
+def test_sign_sgd_refuses_a_parameter_it_cannot_step_before_any_parameter_steps(dtype):
+    """A complex or integer parameter failed inside torch.sign or the in-place update, after
+    the parameters before it (and its own weight decay) had been stepped."""
+    dense = torch.nn.Parameter(torch.ones(3))
+    odd = torch.nn.Parameter(torch.ones(2, dtype=dtype), requires_grad=False)
+    odd.grad = torch.ones(2, dtype=dtype)
+    dense.grad = torch.ones(3)
+    opt = SignSGD([dense, odd], lr=0.1, weight_decay=0.5)
+    with pytest.raises(TypeError, match=r"floating-point.*param_groups\[0\]\[1\]"):
+        opt.step()
+    assert torch.equal(dense.detach(), torch.ones(3)) and torch.equal(odd, torch.ones(2, dtype=dtype))
+
+
 def test_sign_sgd_accepts_large_values_whose_float32_constants_are_finite():
     p = torch.tensor([1.0, 2.0, 3.0], requires_grad=True)
     opt = SignSGD([p], lr=1e30, weight_decay=1e-31)
