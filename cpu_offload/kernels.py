@@ -134,7 +134,10 @@ def pin_threads(cpus: Optional[Sequence[int]]) -> None:
     Raises ValueError, before anything changes, for an id that is not an int or not in
     the process's affinity mask (``os.sched_getaffinity(0)``).
     """
-    cpus = [] if cpus is None else list(cpus)
+    try:
+        cpus = [] if cpus is None else list(cpus)
+    except TypeError:
+        raise TypeError(f"cpus must be a sequence of CPU ids or None, got {type(cpus).__name__}") from None
     allowed = _allowed_cpus()
     for i, c in enumerate(cpus):
         check_int(f"cpus[{i}]", c, low=0)
@@ -253,6 +256,9 @@ def _forget(key):
     return callback
 
 
+_OPTIONAL_LISTS = ("compute_params",)  # the lists a kernel may be called without (None)
+
+
 def _prepared(kind: str, named_lists, dtypes_by_name):
     """Returns (the validated native batch, the lists as tuples), from the cache when valid.
 
@@ -262,8 +268,10 @@ def _prepared(kind: str, named_lists, dtypes_by_name):
     """
     present = []
     for name, tensors in named_lists:
-        if tensors is None:
+        if tensors is None and name in _OPTIONAL_LISTS:
             continue
+        if tensors is None:
+            raise TypeError(f"{name} must be a list or tuple of tensors, got None")
         if not isinstance(tensors, (list, tuple)):
             raise TypeError(f"{name} must be a list or tuple of tensors, got {type(tensors).__name__}")
         # NOTE: a tuple snapshot: the tensors stay alive while the kernel runs without the

@@ -235,6 +235,9 @@ def _call(**changes):
     (dict(grads=[torch.zeros(8), torch.zeros(8)]), ValueError, r"grads has 2 tensors, expected 3"),
     (dict(grads=[torch.zeros(8), "x", torch.zeros(8)]), TypeError, r"grads\[1\] must be a torch.Tensor"),
     (dict(grads=torch.zeros(8)), TypeError, r"grads must be a list"),
+    (dict(grads=None), TypeError, r"grads must be a list or tuple of tensors, got None"),
+    (dict(exp_avg_sqs=None), TypeError, r"exp_avg_sqs must be a list or tuple of tensors, got None"),
+    (dict(params=None), TypeError, r"params must be a list or tuple of tensors, got None"),
     (dict(steps=torch.zeros(3)), ValueError, r"steps must be"),
     (dict(steps=torch.zeros(2, dtype=torch.int64)), ValueError, r"steps has 2 entries"),
     (dict(steps=[0, 0, 0]), TypeError, r"steps must be a torch.Tensor"),
@@ -283,6 +286,12 @@ def test_sign_sgd_and_accumulate_reject_bad_input():
         kernels.accumulate_([torch.zeros(4, dtype=torch.bfloat16)], [torch.zeros(4)], add=True)
     with pytest.raises(TypeError, match=r"add must be a bool"):
         kernels.accumulate_([torch.zeros(4)], [torch.zeros(4)], add=1)
+    with pytest.raises(TypeError, match=r"grads must be a list or tuple of tensors, got None"):
+        kernels.sign_sgd_step([torch.zeros(4)], None, lr=1.0, weight_decay=0.0)
+    with pytest.raises(TypeError, match=r"accumulators must be a list or tuple of tensors, got None"):
+        kernels.accumulate_(None, [torch.zeros(4)], add=True)
+    with pytest.raises(TypeError, match=r"cpus must be a sequence of CPU ids or None, got int"):
+        kernels.pin_threads(5)
 
 
 def _random_adamw_args(shapes, seed, grad_shapes=None):
