@@ -274,8 +274,17 @@ def parse_args(argv=None) -> argparse.Namespace:
     for name in ("seq_len", "d_model", "n_layers", "n_heads", "ffn_dim", "vocab_size", "nproc_per_node"):
         if getattr(args, name) < 1:
             p.error(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
-    if args.warmup < 0 or not args.timeout > 0 or not args.lr >= 0 or not args.weight_decay >= 0:
-        p.error("--warmup must be >= 0, --timeout > 0, --lr and --weight-decay >= 0")
+    if args.warmup < 0 or not 0 < args.timeout < math.inf or not args.lr >= 0 or not args.weight_decay >= 0:
+        p.error("--warmup must be >= 0, --timeout finite and > 0, --lr and --weight-decay >= 0")
+    if args.d_model % args.n_heads:
+        p.error(f"--d-model {args.d_model} must be a multiple of --n-heads {args.n_heads}")
+    if not [m for m in args.modes.split(",") if m.strip()]:
+        p.error(f"--modes names no mode: {args.modes!r}")
+    if args.device == "cuda" and not args.worker:
+        import torch
+
+        if not torch.cuda.is_available():
+            p.error("--device cuda: torch.cuda.is_available() is False (use --device cpu for the CPU)")
     try:
         args.token_budgets = [int(t) for t in args.tokens.split(",") if t.strip()]
     except ValueError:

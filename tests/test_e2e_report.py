@@ -154,11 +154,23 @@ def test_configs_plan_and_checks(e2e):
 
 @pytest.mark.parametrize("argv", [["--tokens", "0"], ["--tokens", "8k"], ["--tokens", ","], ["--warmup", "-1"],
                                   ["--seq-len", "0"], ["--n-layers", "0"], ["--nproc-per-node", "0"],
-                                  ["--timeout", "0"], ["--json", "/nonexistent-dir/e2e.json"]])
+                                  ["--timeout", "0"], ["--timeout", "inf"], ["--d-model", "64", "--n-heads", "3"],
+                                  ["--modes", ","], ["--json", "/nonexistent-dir/e2e.json"]])
 def test_bad_arguments_stop_before_any_run(e2e, argv, capsys):
     with pytest.raises(SystemExit) as exit_:
         e2e.parse_args(argv)
     assert exit_.value.code == 2 and argv[0] in capsys.readouterr().err.split("error:", 1)[1]
+
+
+def test_device_cuda_without_cuda_stops_before_any_run(e2e, monkeypatch, capsys):
+    """``--device cuda`` without CUDA ran the host's bandwidth probe, then failed in each
+    configuration's worker with torch's internal error."""
+    import torch
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    with pytest.raises(SystemExit) as exit_:
+        e2e.parse_args(["--device", "cuda"])
+    assert exit_.value.code == 2 and "--device cuda: torch.cuda.is_available() is False" in capsys.readouterr().err
 
 
 def test_no_configuration_ran(e2e, tmp_path, monkeypatch, capsys):
