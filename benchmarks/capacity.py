@@ -472,6 +472,8 @@ def parse_args(argv=None) -> argparse.Namespace:
         p.error(f"--tokens {args.tokens} must be a positive multiple of --seq-len {args.seq_len}")
     if not args.time_limit_s > 0:
         p.error("--time-limit-s must be > 0")
+    if not 0 <= args.lr < float("inf"):
+        p.error(f"--lr must be finite and >= 0, got {args.lr}")
     check_output_paths(p, ("--json", args.json), ("--plot", args.plot))
     return args
 

@@ -102,7 +102,8 @@ def test_configuration_table_and_arguments(capacity):
         assert f"{size:.2f} B" in header, name
     with pytest.raises(SystemExit):
         capacity.make_plan(capacity.parse_args(["--configs", "2b"]))
-    for argv in (["--tokens", "100", "--seq-len", "64"], ["--seq-len", "0"], ["--json", "/nonexistent-dir/c.json"]):
+    for argv in (["--tokens", "100", "--seq-len", "64"], ["--seq-len", "0"], ["--json", "/nonexistent-dir/c.json"],
+                 ["--lr", "-1"], ["--lr", "nan"]):  # a bad --lr failed in each worker and the run exited 0
         with pytest.raises(SystemExit):
             capacity.parse_args(argv)
     plan = capacity.make_plan(capacity.parse_args(["--configs", "3b,1b", "--modes", "full_bf16"]))
