@@ -10,7 +10,7 @@ import argparse
 import os
 import tempfile
 
-__all__ = ["check_output_paths", "check_at_least"]
+__all__ = ["check_output_paths", "check_at_least", "whole_count"]
 
 
 def check_output_paths(parser: argparse.ArgumentParser, *options: tuple) -> None:
@@ -45,3 +45,11 @@ def check_at_least(parser: argparse.ArgumentParser, option: str, value, low: int
     """``parser.error()`` (exit 2) unless ``value`` >= ``low``."""
     if not value >= low:
         parser.error(f"{option} must be >= {low}, got {value}")
+
+
+def whole_count(parser: argparse.ArgumentParser, option: str, value: float) -> int:
+    """``value`` (read as a float, so that 2.7e8 is accepted) as an int, or ``parser.error()``
+    (exit 2) unless it is a whole number >= 1."""
+    if not (1 <= value < float("inf") and value == int(value)):
+        parser.error(f"{option} must be a whole number >= 1, got {value}")
+    return int(value)

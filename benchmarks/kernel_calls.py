@@ -21,7 +21,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # adamw_pass, also when loaded by path
 from adamw_pass import BYTES_PER_ELEMENT, CHECK, HP, check_step, median_times, state  # noqa: E402
-from cli_checks import check_at_least, check_output_paths  # noqa: E402
+from cli_checks import check_at_least, whole_count, check_output_paths  # noqa: E402
 
 from cpu_offload import kernels  # noqa: E402
 from cpu_offload.reference import adamw_reference_  # noqa: E402
@@ -74,8 +74,7 @@ def main(argv=None) -> int:
                    "full offload leaves one CPU of its set to Python")
     p.add_argument("--json", metavar="PATH")
     args = p.parse_args(argv)
-    n = int(args.numel)
-    check_at_least(p, "--numel", n)
+    n = whole_count(p, "--numel", args.numel)
     check_at_least(p, "--repeats", args.repeats)
     check_output_paths(p, ("--json", args.json))
     if args.threads is not None:

@@ -7,9 +7,11 @@ from helpers import load_benchmark
 from cpu_offload import kernels
 
 BAD = {
-    "kernel_calls.py": [["--numel", "0"], ["--numel", "-5"], ["--repeats", "0"], ["--threads", "0"],
+    "kernel_calls.py": [["--numel", "0"], ["--numel", "-5"], ["--numel", "nan"], ["--numel", "inf"], ["--numel", "0.5"],
+                        ["--repeats", "0"], ["--threads", "0"],
                         ["--threads", "100000"], ["--json", "/nonexistent-dir/k.json"], ["--json", "/proc/k.json"]],
-    "huge_pages.py": [["--numel", "0"], ["--repeats", "0"], ["--json", "/nonexistent-dir/h.json"],
+    "huge_pages.py": [["--numel", "0"], ["--numel", "nan"], ["--numel", "1.5"], ["--repeats", "0"],
+                      ["--json", "/nonexistent-dir/h.json"],
                       ["--json", "/proc/h.json"]],
     "device_step.py": [["--numel", "0"], ["--repeats", "0"], ["--json", "/nonexistent-dir/d.json"],
                        ["--json", "/proc/d.json"]],
