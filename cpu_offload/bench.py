@@ -289,6 +289,8 @@ def _parse(argv):
     if args.threads is not None and args.threads < 1:
         ap.error("--threads must be >= 1")
     # NOTE: the --json path is checked before the run, which a bad path would lose at its end
+    if args.json == "":
+        ap.error("--json: the path is empty; name the file to write")
     if args.json and os.path.isdir(args.json):
         ap.error(f"--json {args.json}: is a directory; name the file to write")
     if args.json and not os.path.isdir(os.path.dirname(os.path.abspath(args.json))):

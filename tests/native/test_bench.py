@@ -57,7 +57,7 @@ def test_reference_check_catches_a_wrong_kernel(monkeypatch):
 
 @pytest.mark.parametrize("argv", [["--numel", "0"], ["--tensors", "10", "--numel", "5"], ["--repeats", "0"],
                                   ["--threads", "0"], ["--threads", "100000"], ["--isa", "neon"],
-                                  ["--json", "/nonexistent-dir/bench.json"]])
+                                  ["--json", "/nonexistent-dir/bench.json"], ["--json", ""]])
 def test_bench_rejects_bad_options(argv):
     with pytest.raises(SystemExit) as e:
         bench.main(argv)
