@@ -412,6 +412,11 @@ class StateStaging:
         for state, key, host, value in entries:
             state[key] = as_dtensor_like(host, value)
         self.placed.clear()
+        # NOTE: the buffers of state that is gone (a load or reset that did not make it again,
+        # ``del opt.state[p]``, a parameter left out of the groups) are freed, not kept for good.
+        live = {(id(p), key) for p in self._params() for key in (self.optimizer.state.get(p) or {})}
+        for stale in [k for k in self.host if k not in live]:
+            del self.host[stale]
         return moved, overlapped
 
     def _keep_on_device(self, p: torch.Tensor, key: str) -> None:

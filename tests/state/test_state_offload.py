@@ -717,3 +717,30 @@ def test_a_state_tensor_replaced_each_step_reuses_its_buffer_unless_something_ho
     assert torch.equal(held, held_values) and torch.equal(view, view_values) and torch.equal(detached, detached_values)
     for a, b in zip(m1.parameters(), m2.parameters()):
         assert torch.equal(a, b)
+
+
+@pytest.mark.parametrize("how", ["load_state_dict", "reset", "del"])
+def test_host_buffers_of_state_that_is_gone_are_freed(how):
+    """After a load of a checkpoint without some parameters' state, a reset or ``del
+    opt.state[p]``, the host buffers (pinned, on a GPU) of state that was not made again stayed
+    for good, and ``stats()["host_bytes"]`` went on counting them."""
+    from collections import defaultdict
+
+    model, data = model_and_data()
+    fresh = torch.optim.AdamW(model.parameters(), lr=1e-2).state_dict()
+    opt = StateOffloadOptimizer(torch.optim.AdamW(model.parameters(), lr=1e-2))
+    train(model, opt, data[:2])
+    if how == "load_state_dict":
+        opt.load_state_dict(fresh)
+    elif how == "reset":
+        opt.state = defaultdict(dict)
+    else:
+        for p in model[0].parameters():
+            del opt.state[p]
+    for p in model[0].parameters():  # no longer trained: its state is not made again
+        p.requires_grad_(False)
+    train(model, opt, data[2:3])
+    state_bytes = sum(v.numel() * v.element_size() for s in opt.state.values() for v in s.values() if v.dim() > 0)
+    assert state_bytes > 0 and opt.stats()["host_bytes"] == state_bytes
+    held = state_staging_of(opt).host
+    assert {key for key in held} == {(id(p), key) for p in model[2].parameters() for key in ("exp_avg", "exp_avg_sq")}
