@@ -278,7 +278,8 @@ def parse_args(argv=None) -> argparse.Namespace:
         p.error("--warmup must be >= 0, --timeout finite and > 0, --lr and --weight-decay >= 0")
     if args.d_model % args.n_heads:
         p.error(f"--d-model {args.d_model} must be a multiple of --n-heads {args.n_heads}")
-    if not [m for m in args.modes.split(",") if m.strip()]:
+    args.mode_list = [m.strip() for m in args.modes.split(",") if m.strip()]
+    if not args.mode_list:
         p.error(f"--modes names no mode: {args.modes!r}")
     if args.device == "cuda" and not args.worker:
         import torch
@@ -296,7 +297,7 @@ def parse_args(argv=None) -> argparse.Namespace:
 
 
 def configs(args: argparse.Namespace) -> list[dict]:
-    modes = [m.strip() for m in args.modes.split(",") if m.strip()]
+    modes = args.mode_list
     unknown = sorted(set(modes) - set(MODES))
     if unknown:
         raise SystemExit(f"unknown modes {unknown}; choose from {', '.join(MODES)}")

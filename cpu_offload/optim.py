@@ -78,9 +78,11 @@ class SignSGD(Optimizer):
         for g, group in enumerate(self.param_groups):
             _check_group(g, group)
             for i, p in enumerate(group["params"]):
-                if p.grad is not None and p.grad.is_sparse:
+                if p.grad is None:
+                    continue
+                if p.grad.is_sparse:
                     raise RuntimeError(f"SignSGD does not support sparse gradients (param_groups[{g}][{i}])")
-                if p.grad is not None and not (p.is_floating_point() and p.grad.is_floating_point()):
+                if not (p.is_floating_point() and p.grad.is_floating_point()):
                     raise TypeError(f"SignSGD steps floating-point parameters and gradients; param_groups[{g}][{i}] "
                                     f"is {p.dtype} with a {p.grad.dtype} gradient")
         for group in self.param_groups:
