@@ -440,11 +440,15 @@ def test_a_checkpoint_whose_state_tensors_share_one_storage_loads_and_steps_exac
         assert torch.equal(a, b)
 
 
-class AliasedMomentum(torch.optim.Optimizer):
-    """Momentum kept under two keys of one tensor: the step writes "m", the checkpoint reads "saved"."""
+class OneGroupMomentum(torch.optim.Optimizer):
+    """The test momentum optimizers below: one group, one lr; each writes its state its own way."""
 
     def __init__(self, params, lr=1e-2):
         super().__init__(params, dict(lr=lr))
+
+
+class AliasedMomentum(OneGroupMomentum):
+    """Momentum kept under two keys of one tensor: the step writes "m", the checkpoint reads "saved"."""
 
     @torch.no_grad()
     def step(self, closure=None):
@@ -671,11 +675,8 @@ def test_ctrl_c_inside_a_closure_interrupts_it_at_once_as_in_torch(make):
         assert torch.equal(a, b)
 
 
-class OutOfPlaceMomentum(torch.optim.Optimizer):
+class OutOfPlaceMomentum(OneGroupMomentum):
     """Momentum written out of place: each step puts a new tensor under "m"."""
-
-    def __init__(self, params, lr=1e-2):
-        super().__init__(params, dict(lr=lr))
 
     @torch.no_grad()
     def step(self, closure=None):
