@@ -1,16 +1,18 @@
 # Argument checks shared by the benchmark scripts' command lines.
 #
-# Scope: the output files (--json, --plot), counts with a lower bound. Stays free of torch and cpu_offload imports, so
-# that a driver script which only starts workers stays light. Non-goals: checks of one
-# script only (they stay beside it).
+# Scope: the output files (--json, --plot), the JSON files a report reads, counts with a
+# lower bound. Stays free of torch and cpu_offload imports, so that a driver script which only
+# starts workers stays light. Non-goals: checks of one script only (they stay beside it).
 
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import tempfile
+from typing import Callable, Optional
 
-__all__ = ["check_output_paths", "check_at_least", "whole_count"]
+__all__ = ["check_output_paths", "check_at_least", "whole_count", "read_json"]
 
 
 def check_output_paths(parser: argparse.ArgumentParser, *options: tuple) -> None:
@@ -53,3 +55,18 @@ def whole_count(parser: argparse.ArgumentParser, option: str, value: float) -> i
     if not (1 <= value < float("inf") and value == int(value)):
         parser.error(f"{option} must be a whole number >= 1, got {value}")
     return int(value)
+
+
+def read_json(parser: argparse.ArgumentParser, path, why_not: Callable[[object], Optional[str]]):
+    """The JSON value in ``path``; ``parser.error()`` (exit 2) naming the file when it cannot be
+    read, is not JSON, or ``why_not(value)`` says why it is not what the script reads."""
+    try:
+        with open(path, encoding="utf-8") as f:
+            value = json.load(f)
+    except OSError as e:
+        parser.error(f"{path}: cannot be read ({e.strerror or type(e).__name__})")
+    except ValueError as e:  # also a UnicodeDecodeError
+        parser.error(f"{path}: not JSON ({e})")
+    if (why := why_not(value)) is not None:
+        parser.error(f"{path}: {why}")
+    return value

@@ -12,9 +12,12 @@
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
+import sys
 from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # cli_checks, also when loaded by path
+from cli_checks import read_json  # noqa: E402
 
 __all__ = ["ratios", "summary", "main"]
 
@@ -24,6 +27,14 @@ def _reports(data: dict) -> list:
     if "results" in data:
         return [data]
     return [v for v in data.values() if isinstance(v, dict) and "results" in v]
+
+
+def _why_not_a_report(data) -> str | None:
+    reports = _reports(data) if isinstance(data, dict) else []
+    if not reports or not all(isinstance(rep["results"], list) and all(isinstance(r, dict) and "mode" in r
+                                                                      for r in rep["results"]) for rep in reports):
+        return "not an e2e report (benchmarks/e2e.py --json writes one) nor a dict of such reports"
+    return None
 
 
 # Bytes the all-host AdamW step moves per parameter: gradient 2 and compute copy 2, master 4 + 4,
@@ -38,11 +49,11 @@ def host_floor_s(mode: str, n_params: int, probe_gbs: float, forward_s: float) -
     return n_params * STEP_BYTES[moments] / (probe_gbs * 1e9) + forward_s
 
 
-def ratios(path: Path, modes: set, forward_s: float = 0.04) -> list:
+def ratios(data: dict, modes: set, forward_s: float = 0.04) -> list:
     """(mode, step / none, kernel / none, step - kernel seconds, step / host floor or None) for
-    each row of ``modes`` with a kernel time, in a file whose reports have a ``none`` step (their
-    median if several); the last figure needs the report's probe and the row's ``n_params``."""
-    reports = _reports(json.loads(path.read_text()))
+    each row of ``modes`` with a kernel time, in a file's JSON whose reports have a ``none`` step
+    (their median if several); the last figure needs the report's probe and the row's ``n_params``."""
+    reports = _reports(data)
     nones = [statistics.median(r["step_times_s"]) for rep in reports for r in rep["results"]
              if r["mode"] == "none" and r.get("step_times_s")]
     if not nones:
@@ -85,7 +96,7 @@ def main(argv=None) -> int:
     modes = set(args.modes.split(","))
     rows, files = [], 0
     for path in args.files:
-        found = ratios(path, modes, args.forward_s)
+        found = ratios(read_json(p, path, _why_not_a_report), modes, args.forward_s)
         files += bool(found)
         rows += found
     print(f"{files} files")

@@ -33,16 +33,27 @@ def read_metrics(path: str) -> list[dict]:
     """
     by_step: dict[int, dict] = {}
     repeated = False
-    with open(path) as f:
-        for number, line in enumerate(f, 1):
-            if not line.strip():
-                continue
+    try:
+        with open(path, encoding="utf-8") as f:
+            lines = list(f)
+    except (OSError, ValueError) as e:
+        raise ValueError(f"{path}: cannot be read ({getattr(e, 'strerror', None) or e})") from e
+    for number, line in enumerate(lines, 1):
+        if not line.strip():
+            continue
+        try:
             rec = json.loads(line)
-            if "step" not in rec or "loss" not in rec:
-                raise ValueError(f"{path}:{number}: a record without 'step' and 'loss': {line.strip()[:120]}")
-            step = int(rec["step"])
-            repeated |= step in by_step
-            by_step[step] = rec
+        except ValueError as e:
+            raise ValueError(f"{path}: line {number} is not JSON ({e})") from e
+        if not (isinstance(rec, dict) and "step" in rec and "loss" in rec):
+            raise ValueError(f"{path}: line {number}: a record without 'step' and 'loss': {line.strip()[:120]}")
+        if not (isinstance(rec["step"], (int, float)) and float(rec["step"]).is_integer()):
+            raise ValueError(f"{path}: line {number}: a record whose 'step' is not a whole number: {rec['step']!r}")
+        if isinstance(rec["loss"], bool) or not isinstance(rec["loss"], (int, float)):
+            raise ValueError(f"{path}: line {number}: a record whose 'loss' is not a number: {rec['loss']!r}")
+        step = int(rec["step"])
+        repeated |= step in by_step
+        by_step[step] = rec
     if not by_step:
         raise ValueError(f"{path}: no step records")
     if repeated:
@@ -132,7 +143,7 @@ def plot(runs: list[tuple[str, list[dict]]], path: str, *, title: Optional[str] 
     return True
 
 
-def parse_args(argv=None) -> argparse.Namespace:
+def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description="Compare the loss curves of examples/train_fsdp.py runs "
                                 "(their --metrics files); differences are against the first run.",
                                 formatter_class=argparse.ArgumentDefaultsHelpFormatter)
@@ -141,6 +152,11 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--last", type=int, default=20, help="steps at the end whose mean loss is reported")
     p.add_argument("--plot", metavar="PNG", help="write the curves here (needs matplotlib)")
     p.add_argument("--title", help="title of the plot")
+    return p
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    p = _parser()
     args = p.parse_args(argv)
     if len(args.metrics) < 2:
         p.error("--metrics needs two or more files to compare")
@@ -156,7 +172,10 @@ def parse_args(argv=None) -> argparse.Namespace:
 def main(argv=None) -> list[dict]:
     """Print the summary (and write the plot) as the flags say; return the summary rows."""
     args = parse_args(argv)
-    runs = [(label, read_metrics(path)) for label, path in zip(args.labels, args.metrics)]
+    try:
+        runs = [(label, read_metrics(path)) for label, path in zip(args.labels, args.metrics)]
+    except ValueError as e:
+        _parser().error(str(e))
     rows = summarize(runs, last=args.last)
     print(format_summary(rows))
     if args.plot:

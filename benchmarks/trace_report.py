@@ -16,7 +16,11 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
+import sys
 from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # cli_checks, also when loaded by path
+from cli_checks import read_json  # noqa: E402
 
 __all__ = ["step_rows", "main"]
 
@@ -77,6 +81,13 @@ def _fmt(v) -> str:
     return "-" if v is None else f"{v:d}" if isinstance(v, int) else f"{v:.4f}"
 
 
+def _why_not_a_trace(data) -> str | None:
+    events = data.get("events") if isinstance(data, dict) else None
+    if not (isinstance(events, list) and all(isinstance(e, list) and len(e) == 4 for e in events)):
+        return "not a pipeline trace (an object whose 'events' are [time, thread, name, value] lists)"
+    return None
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description="Per-step figures from full-offload pipeline traces.")
     p.add_argument("traces", nargs="+", type=Path)
@@ -86,7 +97,7 @@ def main(argv=None) -> int:
     args = p.parse_args(argv)
     report = {}
     for path in args.traces:
-        rows = step_rows(json.loads(path.read_text())["events"], args.gap_ms / 1e3)
+        rows = step_rows(read_json(p, path, _why_not_a_trace)["events"], args.gap_ms / 1e3)
         timed = rows[args.skip:] or rows
         medians = {c: statistics.median(r[c] for r in timed) if all(r[c] is not None for r in timed) else None
                    for c in COLUMNS}

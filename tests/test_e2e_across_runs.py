@@ -7,6 +7,10 @@ import pytest
 from helpers import load_benchmark
 
 
+def _read(path):
+    return json.loads(path.read_text())
+
+
 def _row(mode, steps, kernel=None, n_params=None):
     return {"mode": mode, "step_times_s": steps, "offload_stats": None if kernel is None else {"kernel_s": kernel},
             "n_params": n_params}
@@ -23,12 +27,12 @@ def test_ratios_and_summary_across_files(tmp_path, capsys):
     c = tmp_path / "c.json"  # no none row: skipped
     c.write_text(json.dumps({"results": [_row("full_overlap", [9.0], 9.0)]}))
     modes = {"full_overlap", "full_bf16_overlap"}
-    assert bench.ratios(a, modes) == [("full_overlap", pytest.approx(2.0), pytest.approx(1.5), pytest.approx(0.05), None)]
-    assert bench.ratios(b, modes) == [
+    assert bench.ratios(_read(a), modes) == [("full_overlap", pytest.approx(2.0), pytest.approx(1.5), pytest.approx(0.05), None)]
+    assert bench.ratios(_read(b), modes) == [
         ("full_overlap", pytest.approx(5 / 3), pytest.approx(4 / 3), pytest.approx(0.1), None),
         ("full_overlap", pytest.approx(2.0), pytest.approx(1.0), pytest.approx(0.3), None)]
-    assert bench.ratios(c, modes) == []
-    s = bench.summary(bench.ratios(a, modes) + bench.ratios(b, modes))["full_overlap"]
+    assert bench.ratios(_read(c), modes) == []
+    s = bench.summary(bench.ratios(_read(a), modes) + bench.ratios(_read(b), modes))["full_overlap"]
     assert s["runs"] == 3 and s["host_floor_runs"] == 0 and "step_x_host_floor" not in s
     assert s["step_x_none"] == pytest.approx((5 / 3, 2.0, 2.0))
     assert s["kernel_x_none"] == pytest.approx((1.0, 4 / 3, 1.5))
@@ -46,12 +50,30 @@ def test_the_step_against_the_floor_of_the_hosts_probe(tmp_path, capsys):
         _row("none", [0.2]), _row("full_overlap", [0.352], 0.3, n_params=10**9),
         _row("full_bf16_overlap", [0.3], 0.25, n_params=10**9)]}))
     modes = {"full_overlap", "full_bf16_overlap"}
-    got = {mode: floor for mode, *_, floor in bench.ratios(f, modes)}
+    got = {mode: floor for mode, *_, floor in bench.ratios(_read(f), modes)}
     assert got == {"full_overlap": pytest.approx(1.1), "full_bf16_overlap": pytest.approx(1.25)}
-    assert {mode: floor for mode, *_, floor in bench.ratios(f, modes, forward_s=0.0)} == {
+    assert {mode: floor for mode, *_, floor in bench.ratios(_read(f), modes, forward_s=0.0)} == {
         "full_overlap": pytest.approx(0.352 / 0.28), "full_bf16_overlap": pytest.approx(1.5)}
-    s = bench.summary(bench.ratios(f, modes))
+    s = bench.summary(bench.ratios(_read(f), modes))
     assert s["full_bf16_overlap"]["host_floor_runs"] == 1
     assert s["full_bf16_overlap"]["step_x_host_floor"] == pytest.approx((1.25, 1.25, 1.25))
     assert bench.main([str(f)]) == 0
     assert "step_x_host_floor 1.100 / 1.100 / 1.100" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("content, message", [
+    (None, "cannot be read"),
+    ('{"results": [', "not JSON"),
+    ("[1, 2]", "not an e2e report"),
+    ('{"results": [1]}', "not an e2e report"),
+])
+def test_a_file_that_is_not_an_e2e_report_is_refused_by_name(tmp_path, capsys, content, message):
+    bench = load_benchmark("e2e_across_runs.py", "e2e_across_runs_bench")
+    path = tmp_path / "run.json"
+    if content is not None:
+        path.write_text(content)
+    with pytest.raises(SystemExit) as e:
+        bench.main([str(path)])
+    assert e.value.code == 2
+    err = capsys.readouterr().err
+    assert str(path) in err and message in err

@@ -110,6 +110,24 @@ def test_flag_errors(curves, tmp_path, capsys):
         with pytest.raises(SystemExit):
             curves.main(argv)
         assert message in capsys.readouterr().err
-    (tmp_path / "bad.jsonl").write_text('{"step": 1}\n')
-    with pytest.raises(ValueError, match="without 'step' and 'loss'"):
-        curves.main(["--metrics", str(a), str(tmp_path / "bad.jsonl")])
+
+
+@pytest.mark.parametrize("content, message", [
+    (None, "cannot be read"),
+    ('{"step": 1, "loss": 2.0}\n{"step": 2, "lo', "line 2 is not JSON"),
+    ('{"step": 1}\n', "line 1: a record without 'step' and 'loss'"),
+    ('[1, 2]\n', "line 1: a record without 'step' and 'loss'"),
+    ('{"step": "x", "loss": 1.0}\n', "line 1: a record whose 'step' is not a whole number"),
+    ('{"step": 1, "loss": "x"}\n', "line 1: a record whose 'loss' is not a number"),
+    ("\n", "no step records"),
+])
+def test_a_metrics_file_that_cannot_be_read_is_refused_by_name(curves, tmp_path, capsys, content, message):
+    a = _write(tmp_path / "a.jsonl", [1.0])
+    bad = tmp_path / "bad.jsonl"
+    if content is not None:
+        bad.write_text(content)
+    with pytest.raises(SystemExit) as e:
+        curves.main(["--metrics", str(a), str(bad)])
+    assert e.value.code == 2
+    err = capsys.readouterr().err
+    assert str(bad) in err and message in err

@@ -54,3 +54,20 @@ def test_a_real_trace_reads_back(report, monkeypatch, tmp_path, capsys):
         assert r["busy_s"] + r["idle_s"] <= r["step_s"] + 1e-9 and r["forward_wait_s"] == 0
         assert 0 <= r["first_grad_at_s"] <= r["first_chunk_at_s"] < r["step_s"]
     assert "4 steps between step() returns, medians of the last 3" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("content, message", [
+    (None, "cannot be read"),
+    ('{"events": [[1.0, "t", "step_end"', "not JSON"),
+    ("[1, 2]", "not a pipeline trace"),
+    ('{"events": [[1.0, "t"]]}', "not a pipeline trace"),
+])
+def test_a_file_that_is_not_a_trace_is_refused_by_name(report, tmp_path, capsys, content, message):
+    path = tmp_path / "trace_1.json"
+    if content is not None:
+        path.write_text(content)
+    with pytest.raises(SystemExit) as e:
+        report.main([str(path)])
+    assert e.value.code == 2
+    err = capsys.readouterr().err
+    assert str(path) in err and message in err
