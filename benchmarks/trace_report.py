@@ -20,7 +20,7 @@ import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # cli_checks, also when loaded by path
-from cli_checks import read_json  # noqa: E402
+from cli_checks import check_output_paths, read_json  # noqa: E402
 
 __all__ = ["step_rows", "main"]
 
@@ -95,6 +95,11 @@ def main(argv=None) -> int:
     p.add_argument("--skip", type=int, default=2, help="steps left out of the medians (warm-up)")
     p.add_argument("--json", metavar="PATH")
     args = p.parse_args(argv)
+    if not args.skip >= 0:
+        p.error(f"--skip must be >= 0, got {args.skip}")
+    if not args.gap_ms >= 0:
+        p.error(f"--gap-ms must be >= 0, got {args.gap_ms}")
+    check_output_paths(p, ("--json", args.json))
     report = {}
     for path in args.traces:
         rows = step_rows(read_json(p, path, _why_not_a_trace)["events"], args.gap_ms / 1e3)

@@ -71,3 +71,12 @@ def test_a_file_that_is_not_a_trace_is_refused_by_name(report, tmp_path, capsys,
     assert e.value.code == 2
     err = capsys.readouterr().err
     assert str(path) in err and message in err
+
+
+@pytest.mark.parametrize("flags, message", [(["--skip", "-1"], "--skip must be >= 0"),
+                                            (["--gap-ms", "nan"], "--gap-ms must be >= 0"),
+                                            (["--json", "/nonexistent/r.json"], "its directory does not exist")])
+def test_bad_flags_are_refused_before_reading(report, tmp_path, capsys, flags, message):
+    with pytest.raises(SystemExit) as e:
+        report.main([str(tmp_path / "absent.json"), *flags])
+    assert e.value.code == 2 and message in capsys.readouterr().err
