@@ -513,3 +513,31 @@ def test_bind_lowers_only_a_torch_thread_count_above_its_cpus_and_says_so():
     before, after = err.split("---")
     assert "intra-op" not in before, before
     assert f"torch.set_num_threads({n})" in after and f"{n + 2} intra-op threads" in after, after
+
+
+@pytest.mark.parametrize("which", ["numa_node", "cpulist"])
+@pytest.mark.parametrize("how, reason", [("directory", "Is a directory"), ("binary", "not text")])
+def test_a_sysfs_file_that_cannot_be_read_is_named_not_a_traceback(tmp_path, caplog, capsys, monkeypatch,
+                                                                    which, how, reason):
+    root = make_sysfs(tmp_path, {0: "0-7"}, {PCI[0]: 0})
+    path = Path(root, "bus", "pci", "devices", PCI[0], "numa_node") if which == "numa_node" else \
+        Path(root, "devices", "system", "node", "node0", "cpulist")
+    path.unlink()
+    if how == "directory":
+        path.mkdir()
+    else:
+        path.write_bytes(b"\xff\xfe0\n")
+    kw = dict(local_world_size=1, pci_addresses=[PCI[0]], sysfs_root=root, allowed_cpus=range(8))
+    with pytest.raises(RuntimeError, match=f"{path} cannot be read \\({reason}\\) \\(topology is required here\\)"):
+        plan_all(require_topology=True, **kw)
+    with caplog.at_level(logging.WARNING, logger=topology.__name__):
+        (plan,) = plan_all(**kw)
+    assert any(f"{path} cannot be read ({reason}); not binding" in r.getMessage() for r in caplog.records)
+    assert plan.numa_node is None and plan.cpus == tuple(range(8))
+    monkeypatch.setattr(topology, "gpu_pci_addresses", lambda: [PCI[0]])
+    monkeypatch.setattr(topology.os, "sched_getaffinity", lambda pid: set(range(8)))
+    caplog.clear()
+    with caplog.at_level(logging.WARNING, logger=topology.__name__):
+        assert topology_cli.main(["--sysfs-root", root]) == 0
+    assert any(f"{path} cannot be read ({reason})" in r.getMessage() for r in caplog.records)
+    assert capsys.readouterr().out.splitlines()[2].split() == ["0", "0", PCI[0], "-", "0-7", "7", "7"]

@@ -130,18 +130,27 @@ def gpu_pci_addresses() -> list[str | None]:
     return addresses
 
 
-def _read(path: str) -> str | None:
+def _read(path: str) -> str | Exception:
+    """The file's text, or what kept it from being read."""
     try:
         with open(path) as f:
             return f.read()
-    except (FileNotFoundError, NotADirectoryError):  # NOTE: a path through a file is missing too
-        return None
+    except (OSError, UnicodeDecodeError) as e:
+        return e
 
 
-def _missing(path: str, what: str, require: bool) -> None:
+def _missing(path: str, what: str, require: bool, why: Exception) -> None:
+    """Raise (``require``) or warn that the file ``read`` could not give ``what``."""
+    # NOTE: a path through a file is missing too
+    if isinstance(why, (FileNotFoundError, NotADirectoryError)):
+        if require:
+            raise FileNotFoundError(f"{what}: {path} does not exist (topology is required here)")
+        logger.warning("%s: %s does not exist; not binding to a NUMA node", what, path)
+        return
+    reason = "not text" if isinstance(why, UnicodeDecodeError) else why.strerror or str(why)
     if require:
-        raise FileNotFoundError(f"{what}: {path} does not exist (topology is required here)")
-    logger.warning("%s: %s does not exist; not binding to a NUMA node", what, path)
+        raise RuntimeError(f"{what}: {path} cannot be read ({reason}) (topology is required here)")
+    logger.warning("%s: %s cannot be read (%s); not binding to a NUMA node", what, path, reason)
 
 
 def _gpu_node(gpu: int, pci: str | None, root: str, require: bool) -> int | None:
@@ -156,8 +165,8 @@ def _gpu_node(gpu: int, pci: str | None, root: str, require: bool) -> int | None
         return None
     path = os.path.join(root, "bus", "pci", "devices", pci.lower(), "numa_node")
     text = _read(path)
-    if text is None:
-        _missing(path, f"NUMA node of GPU {gpu} ({pci})", require)
+    if not isinstance(text, str):
+        _missing(path, f"NUMA node of GPU {gpu} ({pci})", require, text)
         return None
     try:
         node = int(text.strip())
@@ -176,8 +185,8 @@ def _gpu_node(gpu: int, pci: str | None, root: str, require: bool) -> int | None
 def _node_cpus(node: int, root: str, require: bool) -> set[int] | None:
     path = os.path.join(root, "devices", "system", "node", f"node{node}", "cpulist")
     text = _read(path)
-    if text is None:
-        _missing(path, f"CPUs of NUMA node {node}", require)
+    if not isinstance(text, str):
+        _missing(path, f"CPUs of NUMA node {node}", require, text)
         return None
     return parse_cpulist(text)
 
@@ -194,9 +203,9 @@ def _core_order(cpus: Iterable[int], root: str) -> list[int]:
     for cpu in cpus:
         topo = os.path.join(root, "devices", "system", "cpu", f"cpu{cpu}", "topology")
         text = _read(os.path.join(topo, "core_cpus_list"))
-        if text is None:
+        if not isinstance(text, str):
             text = _read(os.path.join(topo, "thread_siblings_list"))
-        siblings = (parse_cpulist(text) & cpus) if text else set()
+        siblings = (parse_cpulist(text) & cpus) if isinstance(text, str) and text else set()
         key[cpu] = (min(siblings | {cpu}), cpu)
     return sorted(cpus, key=key.__getitem__)
 
@@ -232,7 +241,8 @@ def plan_all(
             ValueError; under a root that does not exist every sysfs file is missing.
         allowed_cpus: CPUs the ranks may use; default ``os.sched_getaffinity(0)``.
         require_topology: raise FileNotFoundError naming the path when a sysfs file is
-            missing (full offload), instead of warning and binding without NUMA.
+            missing (RuntimeError when it cannot be read) (full offload), instead of warning
+            and binding without NUMA.
     """
     if local_world_size is None:
         local_world_size = local_rank_info()[1]
