@@ -1,19 +1,31 @@
 # What the CPU AdamW-pass benchmarks (huge_pages.py, kernel_calls.py) share: the pass's
 # hyper-parameters and minimal bytes per element, host state filled with the same values
-# whatever the allocator, the check of a stepped state against the reference, and arms timed
-# alternately. Non-goals: what an arm varies (each benchmark).
+# whatever the allocator (and whether it fits in RAM), the check of a stepped state against the
+# reference, and arms timed alternately. Non-goals: what an arm varies (each benchmark).
 from __future__ import annotations
 
+import argparse
 import statistics
 import time
 
+import psutil
 import torch
 
-__all__ = ["HP", "BYTES_PER_ELEMENT", "CHECK", "state", "check_step", "median_times"]
+__all__ = ["HP", "BYTES_PER_ELEMENT", "CHECK", "state", "check_fits", "check_step", "median_times"]
 
 HP = dict(lr=3e-4, beta1=0.9, beta2=0.95, eps=1e-8, weight_decay=0.1)
 BYTES_PER_ELEMENT = {torch.float32: 28, torch.bfloat16: 20}
 CHECK = 4099  # elements checked against the reference
+
+
+def check_fits(parser: argparse.ArgumentParser, n: int, states: int) -> None:
+    """``parser.error()`` (exit 2) unless ``states`` states of ``n`` elements with fp32 moments
+    (``state``: 16 B an element) and the fill's temporary (4 B) fit in the available RAM.
+    NOTE: before anything is allocated: a usage error, not the allocator's."""
+    needed, available = n * (16 * states + 4), psutil.virtual_memory().available
+    if needed > available:
+        parser.error(f"--numel {n} needs about {needed / 2**30:.1f} GiB of RAM ({states} host state(s) with fp32 "
+                     f"moments); {available / 2**30:.1f} GiB is available")
 
 
 def state(n: int, moments: torch.dtype, alloc=lambda k, d: torch.empty(k, dtype=d)) -> dict:

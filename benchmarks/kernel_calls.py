@@ -20,7 +20,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # adamw_pass, also when loaded by path
-from adamw_pass import BYTES_PER_ELEMENT, CHECK, HP, check_step, median_times, state  # noqa: E402
+from adamw_pass import BYTES_PER_ELEMENT, CHECK, HP, check_fits, check_step, median_times, state  # noqa: E402
 from cli_checks import check_at_least, whole_count, check_output_paths  # noqa: E402
 
 from cpu_offload import kernels  # noqa: E402
@@ -75,6 +75,7 @@ def main(argv=None) -> int:
     p.add_argument("--json", metavar="PATH")
     args = p.parse_args(argv)
     n = whole_count(p, "--numel", args.numel)
+    check_fits(p, n, states=1)
     check_at_least(p, "--repeats", args.repeats)
     check_output_paths(p, ("--json", args.json))
     if args.threads is not None:

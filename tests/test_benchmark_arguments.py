@@ -1,6 +1,7 @@
 # The benchmark scripts that time kernels stop at a bad argument with a usage error naming it,
 # before any run (a missing --json directory, a --json that is a directory or cannot be
-# written, used to fail after the whole run, losing it).
+# written, used to fail after the whole run, losing it; a --numel beyond the host's RAM
+# reached the allocator).
 import pytest
 from helpers import load_benchmark
 
@@ -8,9 +9,9 @@ from cpu_offload import kernels
 
 BAD = {
     "kernel_calls.py": [["--numel", "0"], ["--numel", "-5"], ["--numel", "nan"], ["--numel", "inf"], ["--numel", "0.5"],
-                        ["--repeats", "0"], ["--threads", "0"],
+                        ["--numel", "1e15"], ["--repeats", "0"], ["--threads", "0"],
                         ["--threads", "100000"], ["--json", "/nonexistent-dir/k.json"], ["--json", "/proc/k.json"]],
-    "huge_pages.py": [["--numel", "0"], ["--numel", "nan"], ["--numel", "1.5"], ["--repeats", "0"],
+    "huge_pages.py": [["--numel", "0"], ["--numel", "nan"], ["--numel", "1.5"], ["--numel", "1e15"], ["--repeats", "0"],
                       ["--json", "/nonexistent-dir/h.json"],
                       ["--json", "/proc/h.json"]],
     "device_step.py": [["--numel", "0"], ["--repeats", "0"], ["--json", "/nonexistent-dir/d.json"],
