@@ -335,8 +335,15 @@ class DeviceState:
                 event = self._events.get(id(rec))
                 if event is not None:
                     torch.cuda.current_stream(rec.master.device).wait_event(event)
-                self._step_record(rec, rec.accum if self.accumulate else rec.retained, hparams[rec.group],
-                                  grad_scale)
+                try:
+                    self._step_record(rec, rec.accum if self.accumulate else rec.retained, hparams[rec.group],
+                                      grad_scale)
+                except BaseException:
+                    # NOTE: its master and moments change in place, operation by operation and
+                    # piece by piece: a failure (an out-of-memory on a temporary) may leave them
+                    # matching no whole step
+                    rec.uncounted = True
+                    raise
                 rec.piece_stepped()
                 stepped.append(rec)
         return stepped

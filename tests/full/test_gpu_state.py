@@ -535,3 +535,34 @@ def test_state_dict_between_the_last_backward_and_step_raises_and_changes_nothin
     *_, got = window_without_step(gpu_state, state_dict_then_step, clipped_before=clipped_before)
     for n, (master, step, weight) in want.items():
         assert step == got[n][1] and torch.equal(master, got[n][0]) and torch.equal(weight, got[n][2]), n
+
+
+@pytest.mark.parametrize("gpu_state", [EVERYTHING, HALF_STATE], ids=["all_on_the_device", "half_on_the_device"])
+def test_a_device_step_that_fails_inside_a_parameter_names_it_as_partly_updated(gpu_state, monkeypatch):
+    """An out-of-memory on a temporary of the device step, after the parameter's master had
+    been changed in place (weight decay) and before its moments were: step() said "0 of 8
+    parameters had their update applied" (all on the device), so training went on from a
+    master that matched no step. It now names the parameter and asks for the checkpoint."""
+    model, opt = build("adamw")
+    off = FullCPUOffloadOptimizer(opt, gpu_state=gpu_state, **SMALL)
+    train_step(model, off, 0, 1)
+    off.step()
+    off.zero_grad()
+    real, calls = device_state._f32, [0]
+
+    def failing(value, like):
+        calls[0] += 1
+        if calls[0] == 3:  # adamw_piece_: after p *= 1 - lr * wd
+            raise torch.OutOfMemoryError("out of memory (injected)")
+        return real(value, like)
+
+    train_step(model, off, 1, 1)
+    before = {n: (r.master.clone(), r.step) for n, r in named(model, off).items()}
+    monkeypatch.setattr(device_state, "_f32", failing)
+    with pytest.raises(RuntimeError, match="only partly updated.*reload the last checkpoint") as err:
+        off.step()
+    torn = [r.name for n, r in named(model, off).items()
+            if r.on_device and not torch.equal(r.master, before[n][0]) and r.step == before[n][1]]
+    assert len(torn) == 1 and f"[{torn[0]!r}]" in str(err.value)
+    assert isinstance(err.value.__context__, torch.OutOfMemoryError)
+    off.close()
