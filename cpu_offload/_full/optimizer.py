@@ -1189,6 +1189,33 @@ class FullCPUOffloadOptimizer(WindowControls, torch.optim.Optimizer):
     # ------------------------------------------------------------- lifecycle
     def close(self) -> None:
         """Remove the hooks, stop the worker and free the staging rings. Idempotent."""
+        self._close("close()")
+
+    def __del__(self) -> None:
+        # NOTE: dropped after a window's last backward without step(), the window closes as
+        # close() closes it: the finalizer alone only lets the worker finish, so the host
+        # records kept a speculative update (without the window's clipping factor) and the
+        # device records none, the split deciding which weights took the step.
+        try:
+            finalizer, proto = getattr(self, "_finalizer", None), getattr(self, "_proto", None)
+            if finalizer is None or not finalizer.alive or proto is None or proto.phase is not Phase.APPLIED:
+                return
+            if os.getpid() != self._pid:
+                return  # a forked child: the window is the parent's
+            if self._pipeline.on_worker_thread():  # NOTE: it cannot wait for itself
+                warnings.warn("cpu_offload: a full-offload optimizer was dropped after a window's last backward pass "
+                              "without step(), by the garbage collector on its worker thread: the window's step was "
+                              "not completed (parameters whose state is on the device, or whose update a clipping "
+                              "factor changes, did not take it); call step() before dropping it", RuntimeWarning,
+                              stacklevel=_user_stacklevel())
+                return
+            self._close("dropping the optimizer")
+        except Exception as exc:  # NOTE: an exception leaving __del__ is only printed
+            warnings.warn(f"cpu_offload: a full-offload optimizer was dropped after a window's last backward pass "
+                          f"without step(), and closing that window failed ({type(exc).__name__}: {exc}): reload the "
+                          "last checkpoint", RuntimeWarning, stacklevel=_user_stacklevel())
+
+    def _close(self, call: str) -> None:
         if self._proto.phase is Phase.CLOSED:
             return
         ownership.check_same_process(self._pid)  # NOTE: a forked child has no worker to wait for
@@ -1198,10 +1225,10 @@ class FullCPUOffloadOptimizer(WindowControls, torch.optim.Optimizer):
             self._land()  # NOTE: the last step's weights land before the worker stops
             if self._proto.phase is Phase.APPLIED:  # NOTE: the device records take the update too
                 with deferred_interrupts():
-                    late_edits = self._close_without_step("close()")
+                    late_edits = self._close_without_step(call)
                     self._proto.move(Phase.IDLE)
             elif self._proto.phase is Phase.ACCUMULATING:
-                warnings.warn(f"cpu_offload: close() dropped an open accumulation window ({self._proto.micro} of "
+                warnings.warn(f"cpu_offload: {call} dropped an open accumulation window ({self._proto.micro} of "
                               f"{self.grad_accum_steps} backward passes): their gradients were not stepped; call "
                               "step() first to step them", RuntimeWarning, stacklevel=_user_stacklevel())
         except KeyboardInterrupt:

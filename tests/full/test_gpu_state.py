@@ -6,6 +6,7 @@
 # budget picks parameters spread evenly over the optimizer's order; checkpoints load across
 # splits; bad values are refused; an out-of-memory error while "auto" moves state leaves each
 # record whole on the host or the device.
+import gc
 import math
 import warnings
 
@@ -566,3 +567,39 @@ def test_a_device_step_that_fails_inside_a_parameter_names_it_as_partly_updated(
     assert len(torn) == 1 and f"[{torn[0]!r}]" in str(err.value)
     assert isinstance(err.value.__context__, torch.OutOfMemoryError)
     off.close()
+
+
+def _weights_after_a_window_without_step(gpu_state, clip, end):
+    model, opt = build("adamw")
+    off = FullCPUOffloadOptimizer(opt, gpu_state=gpu_state, **SMALL)
+    for s in range(2):
+        train_step(model, off, s, 1)
+        off.step()
+        off.zero_grad()
+    train_step(model, off, 2, 1)
+    if clip is not None:
+        off.clip_grad_norm_(clip)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        if end == "step":
+            off.step()
+            off.close()
+        else:
+            del off, opt
+            gc.collect()
+    return {n: p.detach().clone() for n, p in model.named_parameters()}, [str(w.message) for w in caught]
+
+
+@pytest.mark.parametrize("clip", [None, 1e-3], ids=["unclipped", "clipped"])
+@pytest.mark.parametrize("gpu_state", [None, HALF_STATE], ids=["host", "half_on_the_device"])
+def test_an_optimizer_dropped_after_the_last_backward_completes_the_step_as_close_does(gpu_state, clip):
+    """An optimizer garbage-collected after a window's last backward, without step(): the
+    finalizer only let the worker finish, so the host records kept their speculative update (not
+    redone with a clipping factor) and the device records took none: the model was left half
+    updated, the split deciding which half, with no word. It now closes the window as close()
+    does, with its warning."""
+    want, _ = _weights_after_a_window_without_step(gpu_state, clip, "step")
+    got, warned = _weights_after_a_window_without_step(gpu_state, clip, "drop")
+    for n in want:
+        assert torch.equal(got[n], want[n]), n
+    assert [w for w in warned if "dropping the optimizer without step()" in w]
