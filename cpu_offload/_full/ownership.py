@@ -15,7 +15,7 @@ import weakref
 
 import torch
 
-__all__ = ["check_unowned", "claim", "release", "owner_of", "owned_count", "mark_cast", "unmark_cast", "check_not_cast",
+__all__ = ["check_unowned", "claim", "release", "owner_of", "owned_count", "live_owners", "mark_cast", "unmark_cast", "check_not_cast",
            "check_not_ddp", "check_same_process"]
 
 # NOTE: reentrant: the garbage collector may run inside a section holding it (claim() allocates)
@@ -82,6 +82,14 @@ def owned_count(wrapper) -> int:
     """How many live parameters ``wrapper`` drives."""
     with _lock:
         return sum(1 for param_ref, owner_ref in _owners.values() if owner_ref() is wrapper and param_ref() is not None)
+
+
+def live_owners() -> list:
+    """The live wrappers that drive a live parameter."""
+    with _lock:
+        found = {id(w): w for param_ref, owner_ref in list(_owners.values())
+                 if (w := owner_ref()) is not None and param_ref() is not None}
+    return list(found.values())
 
 
 def release(params) -> None:

@@ -6,7 +6,9 @@
 # functions that, for parameters one full-offload optimizer drives, clip through it (its
 # clip_grad_norm_: torch's arguments and result) when they are all of that optimizer's, and
 # raise a ValueError that says what to do otherwise (part of them, several optimizers, or
-# value clipping, which it cannot do); any other parameters go to torch's functions unchanged.
+# value clipping, which it cannot do); any other parameters go to torch's functions unchanged,
+# with a warning when none of them holds a gradient while a full-offload window holds its
+# gradients on the host (a list filtered on ``p.grad is not None`` is empty then).
 # A function imported before cpu_offload (``from torch.nn.utils import clip_grad_value_``
 # above ``import cpu_offload``) is torch's own object, which the module attributes no longer
 # reach: ``install()`` points the wrapper torch put around each of them at the function here
@@ -18,6 +20,7 @@
 from __future__ import annotations
 
 import functools
+import warnings
 
 import torch
 
@@ -81,6 +84,12 @@ def clip_grad_norm_(parameters, max_norm, norm_type=2.0, error_if_nonfinite=Fals
     params = _as_list(parameters)
     owner = _owner_of_all(params, "clip_grad_norm_")
     if owner is None:
+        if all(p.grad is None for p in params) and any(w._window_phase() for w in ownership.live_owners()):
+            warnings.warn(
+                f"torch.nn.utils.clip_grad_norm_ got no parameter that holds a gradient ({len(params)} parameters) "
+                "while a full-offload optimizer holds this window's gradients on the host: nothing was clipped. "
+                "Under full offload param.grad is None after backward, so a list filtered on p.grad is empty: "
+                "pass model.parameters() (or call opt.clip_grad_norm_)", RuntimeWarning, stacklevel=2)
         with torch.no_grad():
             return _torch_clip_grad_norm_(params, max_norm, norm_type, error_if_nonfinite, foreach)
     return owner.clip_grad_norm_(max_norm, norm_type, error_if_nonfinite)

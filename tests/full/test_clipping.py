@@ -240,6 +240,32 @@ def test_torch_clipping_refuses_what_it_cannot_clip_through_the_optimizer():
     off2.step()
 
 
+
+def test_torch_clipping_of_no_gradient_while_a_window_holds_them_on_the_host_warns():
+    """``clip_grad_norm_([p for p in model.parameters() if p.grad is not None], ...)``, a common
+    filter: under full offload param.grad is None after backward, so the list is empty and
+    torch's function clipped nothing and returned 0, with no word. It now warns while a
+    full-offload window holds its gradients on the host; between windows, or for parameters
+    that hold .grad, it is torch's function as before."""
+    model, opt = build("adamw")
+    off = FullCPUOffloadOptimizer(opt, **SMALL)
+    plain = torch.nn.Parameter(torch.ones(3))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert float(torch.nn.utils.clip_grad_norm_([], 1.0)) == 0.0  # no window open
+    model(torch.randn(4, 24).to(torch.bfloat16)).float().pow(2).mean().backward()
+    for params in ([p for p in model.parameters() if p.grad is not None], [plain]):
+        with pytest.warns(RuntimeWarning, match="no parameter that holds a gradient.*nothing was clipped.*"
+                                                "pass model.parameters"):
+            assert float(torch.nn.utils.clip_grad_norm_(params, 1.0)) == 0.0
+    plain.grad = torch.full((3,), 4.0)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert float(torch.nn.utils.clip_grad_norm_(plain, 1.0)) == pytest.approx(math.sqrt(48))
+    off.step()
+    off.close()
+
+
 # The script imports torch's clipping functions above cpu_offload, as a training script may.
 IMPORTED_BEFORE = """
 import sys
