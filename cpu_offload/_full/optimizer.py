@@ -417,6 +417,9 @@ class FullCPUOffloadOptimizer(WindowControls, torch.optim.Optimizer):
                 self._next_forward = NextForwardHook(
                     lambda: None if (w := ref()) is None else w._recover_before_forward())
                 handles.append(self._next_forward)
+                self._next_pass_forward = NextForwardHook(
+                    lambda: None if (w := ref()) is None else w._take_grads_set_between_passes())
+                handles.append(self._next_pass_forward)
                 self._finalizer = weakref.finalize(self, _shutdown, records, self._pipeline, transfer, handles, trace,
                                                    self._pid)
                 self._dtype_hint = None
@@ -476,6 +479,8 @@ class FullCPUOffloadOptimizer(WindowControls, torch.optim.Optimizer):
                 "the optimizer's or the whole model's)"
             )
         if self._proto.phase is not Phase.BACKWARD:
+            if self._proto.phase is Phase.ACCUMULATING:
+                self._take_grads_set_between_passes(current=rec)
             self._begin_backward()
         grad = param.grad
         if grad is None:
@@ -560,8 +565,21 @@ class FullCPUOffloadOptimizer(WindowControls, torch.optim.Optimizer):
         if not self._proto.final:
             self._proto.micro += 1
             self._proto.move(Phase.ACCUMULATING)
+            self._next_pass_forward.arm()
             return
         self._complete_window()
+
+    def _take_grads_set_between_passes(self, current=None) -> None:
+        """A gradient assigned to ``param.grad`` between two backward passes of a window (the
+        hooks leave it None): the next pass adds to it in ``.grad``, so that sum replaces the
+        window's sum so far, as in torch. Looked for before the next pass's first forward and
+        again at its first gradient (``current``, whose ``.grad`` already holds that pass's)."""
+        self._next_pass_forward.remove()
+        if self._proto.phase is not Phase.ACCUMULATING and current is None:
+            return
+        for rec in self._records:
+            if rec is not current and rec.has_accum and rec.param.grad is not None:
+                rec.has_accum = False
 
     def _end_dtype_hint(self) -> None:
         # NOTE: at the end of a backward, not of the first forward: dtype_hint.py says why

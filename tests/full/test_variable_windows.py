@@ -6,7 +6,8 @@ import pytest
 import torch
 
 from cpu_offload._full.optimizer import FullCPUOffloadOptimizer
-from helpers import SMALL, build, capture, count_rollbacks, fp32_reference, normwise, records_of, watch_rollbacks
+from helpers import (HALF_STATE, SMALL, batches, build, capture, check_stepped_once, count_rollbacks, fp32_reference,
+                     normwise, records_of, snapshot, train_step, watch_rollbacks)
 
 COUNTS = [1, 3, 2, 5]  # micro-batches per step
 CLIP = 0.3
@@ -262,3 +263,38 @@ def test_window_length_errors():
         model(micro_batch(1, 1).to(torch.bfloat16)).float().pow(2).sum().backward()
     off.step()
     assert off.stats()["backward_passes"] == 1
+
+
+@pytest.mark.parametrize("gpu_state", [None, HALF_STATE], ids=["host", "half_on_the_device"])
+@pytest.mark.parametrize("when", ["before_the_forward", "before_the_backward"])
+@pytest.mark.parametrize("k", [2, 3])
+def test_a_gradient_assigned_between_two_passes_replaces_the_windows_sum_as_in_torch(k, when, gpu_state):
+    """``p.grad = x`` between two backward passes of a window: torch's next pass adds to x, so
+    the window's gradient is x plus what follows. Full offload's hooks had taken the earlier
+    passes to the host and added x plus the next gradient to them, silently. Now x replaces
+    the window's sum so far, as in torch."""
+    model, opt = build("adamw")
+    grads = capture(model)  # registered first: sees x plus the pass's gradient
+    off = FullCPUOffloadOptimizer(opt, grad_accum_steps=k, gpu_state=gpu_state, **SMALL)
+    train_step(model, off, 0, k)
+    off.step()
+    off.zero_grad()
+    before, assigned, g = snapshot(off), ("l1.weight", "l2.bias"), torch.Generator().manual_seed(7)
+    grads.clear()
+
+    def assign():
+        for name in assigned:
+            p = model.get_parameter(name)
+            p.grad = torch.randn(p.shape, generator=g).to(p.dtype)
+
+    for m, (x, extra) in enumerate(batches(1, k)):
+        if m == 1 and when == "before_the_forward":
+            assign()
+        loss = model(x.to(torch.bfloat16), use_extra=extra).float().pow(2).mean()
+        if m == 1 and when == "before_the_backward":
+            assign()
+        loss.backward()
+    off.step()
+    window = {n: (g[1:] if n in assigned else g) for n, g in grads.items()}
+    check_stepped_once(model, off, before, window, 1.0, when)
+    off.close()
