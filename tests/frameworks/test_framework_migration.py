@@ -56,15 +56,15 @@ def train(m, opt, first_step):
 
 
 
-def to_plain_adamw(m, sd):
-    """The README's recipe: fp32 parameters from the masters, then the rest of
-    the state (without the masters) into a plain AdamW."""
+def to_plain_adamw(m, sd, groups):
+    """docs/checkpoints.md's recipe: fp32 parameters from the masters, then the rest of the
+    state (without the masters) into a plain AdamW over the same groups."""
     m.float()
-    params = list(m.parameters())
+    params = [p for g in groups for p in g["params"]]
     with torch.no_grad():
         for i, entry in sd["state"].items():
             params[i].copy_(entry["master"])
-    opt = torch.optim.AdamW(m.parameters(), **HP)
+    opt = torch.optim.AdamW(groups, **HP)
     opt.load_state_dict({"param_groups": sd["param_groups"],
                          "state": {i: {k: v for k, v in e.items() if k not in ("master", "master_step")}
                                    for i, e in sd["state"].items()}})
@@ -103,10 +103,11 @@ def test_plain_adamw_to_full_offload_and_back():
             assert torch.equal(st["exp_avg"], entry["exp_avg"]) and int(st["step"]) == STEPS
         got += train(m, off, STEPS)
         sd_full = through_torch_save(off.state_dict())
+        groups = [{"params": list(g["params"])} for g in off.param_groups]
         boundary.append(held_out_loss(m))
     finally:
         off.close()
-    opt = to_plain_adamw(m, sd_full)
+    opt = to_plain_adamw(m, sd_full, groups)
     boundary.append(held_out_loss(m))
     for p, entry in zip(m.parameters(), sd_full["state"].values()):
         assert torch.equal(p, entry["master"]) and p.dtype == torch.float32
