@@ -22,7 +22,7 @@ from cpu_offload._common.dtensor import is_dtensor, local_of
 __all__ = [
     "ParamRecord", "HostBuffers", "collect_records", "check_fsdp_not_started", "host_bytes_needed",
     "available_host_ram", "check_host_ram", "allocate_host_state", "cast_param", "cast_to_compute", "restore_dtypes",
-    "note_versions", "adopt_external_weights", "adopt_edits_before_step", "write_compute_copies", "show_steps",
+    "note_versions", "check_moved_storage", "adopt_external_weights", "adopt_edits_before_step", "write_compute_copies", "show_steps",
 ]
 
 # Elements per 64-byte line of fp32: every per-parameter view starts aligned.
@@ -401,6 +401,17 @@ def _version_of(rec: ParamRecord) -> tuple:
     """
     local = rec.local()
     return rec.param._version, local._version, local.data_ptr(), local.dtype
+
+
+def check_moved_storage(records: list[ParamRecord]) -> None:
+    """Raise as construction does (``_check_no_shared_memory``) when a compute copy moved to
+    memory that overlaps another parameter's since the library last wrote it (``b.data =
+    a.data[:n]``): each master would be written back over the other's weights.
+
+    NOTE: checked over every record, and only once a storage moved: each call reads every
+    record's pointer, which the version check reads anyway."""
+    if any(rec.version is not None and rec.local().data_ptr() != rec.version[2] for rec in records):
+        _check_no_shared_memory(records)
 
 
 def note_versions(records: Iterable[ParamRecord]) -> None:

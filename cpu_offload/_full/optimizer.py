@@ -41,7 +41,7 @@ from cpu_offload._full import ownership
 from cpu_offload._common.backward_end import NextForwardHook, outside_backward, watch_backward
 from cpu_offload._full.host_state import (
     adopt_edits_before_step, adopt_external_weights, allocate_host_state, allocate_retained, available_host_ram,
-    cast_to_compute, check_fsdp_not_started, check_host_ram,
+    cast_to_compute, check_fsdp_not_started, check_host_ram, check_moved_storage,
     collect_records, host_bytes_needed, note_versions, restore_dtypes, show_steps, write_compute_copies,
 )
 from cpu_offload._common.dtensor import local_of
@@ -536,6 +536,7 @@ class FullCPUOffloadOptimizer(WindowControls, torch.optim.Optimizer):
             # weight the step (run during that pass) updates, as in torch's step(); the same
             # for a step count written in place (a bad one raises here, before anything changes)
             counts = step_edits(self._records)
+            check_moved_storage(self._records)
             adopt_external_weights(self._records)
             take_step_edits(counts)
         # NOTE: hyper-parameters are read when the last backward of a window
@@ -729,6 +730,7 @@ class FullCPUOffloadOptimizer(WindowControls, torch.optim.Optimizer):
             # NOTE: their weights are still those before the step, as in torch: an edit made
             # since the last backward is what the step updates (else its compute copy was lost)
             if self._device.records:
+                check_moved_storage(self._records)
                 adopt_external_weights(self._device.records)
             note_versions(self._device.step(hparams or self._pipeline.hparams, self._validator.factor()))
 
@@ -864,6 +866,7 @@ class FullCPUOffloadOptimizer(WindowControls, torch.optim.Optimizer):
         checked then (an edit may be overwritten, docs/full-offload.md)."""
         if self._proto.phase is not Phase.APPLIED or self._proto.landed or not self._overlap:
             # NOTE: device records take theirs when they are stepped (_step_device_state)
+            check_moved_storage(self._records)
             return adopt_edits_before_step([r for r in self._records if not r.on_device])
         return []
 
@@ -1104,6 +1107,7 @@ class FullCPUOffloadOptimizer(WindowControls, torch.optim.Optimizer):
         self._check_between_steps("state_dict()", in_window=True)
         if self._proto.phase is Phase.APPLIED:
             raise RuntimeError(f"state_dict() {Phase.APPLIED.value}: {_STEP_APPLIED}")
+        check_moved_storage(self._records)
         adopt_external_weights(self._records)
         show_steps(self._records)  # NOTE: an edit of a step count stays: the entry's step is that tensor
         host_state = not for_device_placement()  # accelerate's set-up round trip moves nothing

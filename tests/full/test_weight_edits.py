@@ -351,3 +351,33 @@ def test_a_parameter_made_non_contiguous_after_wrapping_is_refused_before_anythi
         states[change] = snapshot(off)
         off.close()
     assert_bit_equal(states[True], states[False], "made contiguous again")
+
+
+@pytest.mark.parametrize("when", ["before the window", "before step()", "before state_dict()"])
+def test_parameters_tied_through_data_after_wrapping_are_refused_before_anything_changes(when):
+    """``b.data = a.data[:n]`` after wrapping ties two parameters' memory. Construction refuses
+    that (each parameter has its own master), but after it the new storage was adopted as an
+    ordinary edit: both masters were written back into the one memory, the last write winning,
+    and training went on silently wrong. The first call that sees the move now raises as
+    construction does, and changes nothing."""
+    model, opt = build("adamw")
+    off = FullCPUOffloadOptimizer(opt, **SMALL)
+    train_step(model, off, 0, 1)
+    off.step()
+    off.zero_grad()
+    if when == "before step()":
+        train_step(model, off, 1, 1)
+    before, own = snapshot(off), model.head.bias.data
+    model.head.bias.data = model.l1.bias.data[:8]
+    with pytest.raises(ValueError, match=r"share memory"):
+        if when == "before the window":
+            train_step(model, off, 1, 1)
+        elif when == "before step()":
+            off.step()
+        else:
+            off.state_dict()
+    assert_bit_equal(snapshot(off), before, "refused")
+    model.head.bias.data = own
+    if when == "before step()":
+        off.step()
+    off.close()
