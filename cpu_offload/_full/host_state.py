@@ -199,7 +199,20 @@ def collect_records(optimizer: torch.optim.Optimizer) -> tuple[list[ParamRecord]
     if len(devices) != 1:
         raise ValueError(f"full offload needs all trainable parameters on one device, got {sorted(map(str, devices))}")
     _check_no_shared_memory(records)
+    _check_no_grads(records)
     return records, frozen
+
+
+def _check_no_grads(records: list[ParamRecord]) -> None:
+    """Raise if a parameter holds a gradient (a backward before wrapping, no zero_grad()).
+
+    NOTE: full offload takes each gradient from backward's hooks; one left in ``.grad`` keeps
+    the dtype of the weights before the cast, and autograd would add the next gradient to it."""
+    held = [rec.name for rec in records if rec.param.grad is not None]
+    if held:
+        raise ValueError(f"parameters {held[:8]}{' ...' if len(held) > 8 else ''} hold a gradient (param.grad) when "
+                         "offload_optimizer wraps their optimizer; full offload takes gradients from backward and "
+                         "keeps none in .grad: call zero_grad() before wrapping")
 
 
 def _check_no_shared_memory(records: list[ParamRecord]) -> None:

@@ -16,7 +16,7 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 import cpu_offload._full.chunk_runner as runner_mod
 from cpu_offload._full.optimizer import FullCPUOffloadOptimizer
 from helpers import (Net, SMALL, assert_same_state, batches, build, capture, expected, named, records_of, run,
-                     snapshot, worker_parts_of)
+                     snapshot, train_step, worker_parts_of)
 
 
 @pytest.mark.parametrize("kind", ["adamw", "sign_sgd"])
@@ -156,6 +156,24 @@ def test_a_state_that_cannot_be_carried_over_is_refused_and_leaves_everything_as
     del opt.state[model.l2.weight]
     assert opt.state[model.l1.weight] == {}  # NOTE: torch's defaultdict: a lookup makes an empty entry
     FullCPUOffloadOptimizer(opt, **SMALL).close()  # nothing of the failed construction stays behind
+
+
+def test_a_gradient_left_in_param_grad_at_wrapping_is_refused_and_leaves_everything_as_it_was():
+    """A backward before wrapping and no zero_grad(): the wrap cast the weights to bf16 and left
+    the fp32 .grad, to which autograd then added the next gradient, and the first backward
+    failed with "an FSDP2 model must be wrapped before its first forward pass" on a model
+    without FSDP2, discarding the window. Construction now refuses it, naming the parameter."""
+    model, opt = build("adamw")
+    model(torch.randn(4, 24)).pow(2).mean().backward()
+    weights = {n: p.detach().clone() for n, p in model.named_parameters()}
+    with pytest.raises(ValueError, match=r"param_groups\[0\]\[0\].* hold a gradient.*zero_grad\(\) before wrapping"):
+        FullCPUOffloadOptimizer(opt, **SMALL)
+    assert all(torch.equal(p, weights[n]) and p.dtype == torch.float32 for n, p in model.named_parameters())
+    opt.zero_grad()
+    off = FullCPUOffloadOptimizer(opt, **SMALL)
+    train_step(model, off, 0, 1)
+    off.step()
+    off.close()
 
 
 def test_stats_and_bounded_staging():
