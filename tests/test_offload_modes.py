@@ -126,6 +126,21 @@ def test_a_torch_optimizer_has_one_live_wrapper(first, second):
             again.close()
 
 
+def test_a_state_offload_optimizer_over_parameters_full_offload_drives_is_refused():
+    """A second torch optimizer over parameters a live full-offload optimizer drives, wrapped
+    with offload="optimizer": full offload's hooks take every gradient during backward, so it
+    never saw one and its step() silently did nothing. It is refused, naming the parameter;
+    once the full-offload optimizer is closed it is accepted."""
+    model, opt = opt_for()
+    full = offload_optimizer(opt, offload="full")
+    other = torch.optim.SGD([model.bias], lr=0.1)
+    for wrap in (lambda: offload_optimizer(other), lambda: StateOffloadOptimizer(other)):
+        with pytest.raises(RuntimeError, match=r"param_groups\[0\]\[0\] is driven by a live "
+                                               r"FullCPUOffloadOptimizer.*never step it"):
+            wrap()
+    full.close()
+    assert offload_optimizer(other).optimizer is other
+
 @pytest.mark.parametrize("mode", ["optimizer", "full"])
 def test_a_wrapper_whose_construction_failed_does_not_hold_the_optimizer(monkeypatch, mode):
     import cpu_offload._full.optimizer as full_module

@@ -18,6 +18,7 @@ import torch
 
 from cpu_offload._common.checks import check_int
 from cpu_offload._common.interrupts import deferred_interrupts, interruptible
+from cpu_offload._full import ownership
 from cpu_offload._state.staging import StateStaging
 from cpu_offload._common.wrapping import (
     adopt_optimizer, check_not_offloaded, load_state_dict_with_hooks, refuse_copy, release_optimizer,
@@ -25,6 +26,19 @@ from cpu_offload._common.wrapping import (
 )
 
 __all__ = ["StateOffloadOptimizer"]
+
+
+def _check_not_full_offloaded(optimizer: torch.optim.Optimizer) -> None:
+    """Raise if a live full-offload optimizer drives one of the parameters: its hooks take their
+    gradients during backward, so this optimizer would never see one and never step them."""
+    for gi, group in enumerate(optimizer.param_groups):
+        for pi, p in enumerate(group["params"]):
+            owner = ownership.owner_of(p)
+            if owner is not None:
+                raise RuntimeError(
+                    f"parameter param_groups[{gi}][{pi}] is driven by a live {type(owner).__name__}, whose hooks take "
+                    "its gradient during backward: this optimizer would never see one and never step it; give each "
+                    "parameter one optimizer (close() the full-offload one first)")
 
 
 class StateOffloadOptimizer(torch.optim.Optimizer):
@@ -66,6 +80,7 @@ class StateOffloadOptimizer(torch.optim.Optimizer):
                              "CUDA is available) or pass pin_memory=False")
         check_int("prefetch_bytes", prefetch_bytes, low=0, none="no cap")
         check_int("grad_accum_steps", grad_accum_steps, low=1, none="")
+        _check_not_full_offloaded(optimizer)
         adopt_optimizer(self, optimizer, runs_torch_hooks=False)
         self.pin_memory = torch.cuda.is_available() if pin_memory is None else pin_memory
         try:
