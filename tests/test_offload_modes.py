@@ -130,7 +130,7 @@ def test_a_state_offload_optimizer_over_parameters_full_offload_drives_is_refuse
     """A second torch optimizer over parameters a live full-offload optimizer drives, wrapped
     with offload="optimizer": full offload's hooks take every gradient during backward, so it
     never saw one and its step() silently did nothing. It is refused, naming the parameter;
-    once the full-offload optimizer is closed it is accepted."""
+    once the full-offload optimizer is closed it is accepted. The other way round too."""
     model, opt = opt_for()
     full = offload_optimizer(opt, offload="full")
     other = torch.optim.SGD([model.bias], lr=0.1)
@@ -139,7 +139,15 @@ def test_a_state_offload_optimizer_over_parameters_full_offload_drives_is_refuse
                                                r"FullCPUOffloadOptimizer.*never step it"):
             wrap()
     full.close()
-    assert offload_optimizer(other).optimizer is other
+    state = offload_optimizer(other)
+    assert state.optimizer is other
+    model.float()  # the parameters full offload cast, converted back
+    with pytest.raises(RuntimeError, match=r"parameter param_groups\[0\]\[1\] is driven by a live "
+                                           r"StateOffloadOptimizer.*never step it again"):
+        offload_optimizer(torch.optim.AdamW(model.parameters()), offload="full")
+    assert model.weight.dtype == torch.float32
+    del state
+    offload_optimizer(torch.optim.AdamW(model.parameters()), offload="full").close()
 
 @pytest.mark.parametrize("mode", ["optimizer", "full"])
 def test_a_wrapper_whose_construction_failed_does_not_hold_the_optimizer(monkeypatch, mode):

@@ -15,8 +15,8 @@ import weakref
 
 import torch
 
-__all__ = ["check_unowned", "claim", "release", "owner_of", "owned_count", "live_owners", "mark_cast", "unmark_cast", "check_not_cast",
-           "check_not_ddp", "check_same_process"]
+__all__ = ["check_unowned", "claim", "release", "owner_of", "owned_count", "live_owners", "note_other_wrapper",
+           "mark_cast", "unmark_cast", "check_not_cast", "check_not_ddp", "check_same_process"]
 
 # NOTE: reentrant: the garbage collector may run inside a section holding it (claim() allocates)
 # and finalize a dropped wrapper there, whose release() takes it again on the same thread.
@@ -24,6 +24,7 @@ _lock = threading.RLock()
 _owners: dict = {}  # id(param) -> (weakref to the param, weakref to the owning wrapper)
 _CAST_ATTR = "_cpu_offload_cast_from"
 _ddp_instances: "weakref.WeakSet" = weakref.WeakSet()  # live DistributedDataParallel wrappers
+_other_wrappers: "weakref.WeakSet" = weakref.WeakSet()  # live offload="optimizer" wrappers
 
 
 def _note_ddp(owner, name, submodule):
@@ -43,8 +44,21 @@ def _note_ddp(owner, name, submodule):
 torch.nn.modules.module.register_module_module_registration_hook(_note_ddp)
 
 
+def note_other_wrapper(wrapper) -> None:
+    """Remember a live wrapper of another mode (offload="optimizer"): full offload refuses its parameters."""
+    _other_wrappers.add(wrapper)
+
+
 def check_unowned(records) -> None:
     """Raise if a live wrapper already drives one of the records' parameters."""
+    for other in list(_other_wrappers):
+        theirs = {id(p) for group in other.param_groups for p in group["params"]}
+        for rec in records:
+            if id(rec.param) in theirs:
+                raise RuntimeError(
+                    f"parameter {rec.name} is driven by a live {type(other).__name__}: full offload would take its "
+                    "gradient during backward, and that optimizer would never step it again; give each parameter "
+                    "one optimizer (drop every reference to the other first)")
     with _lock:
         for rec in records:
             entry = _owners.get(id(rec.param))

@@ -91,6 +91,7 @@ class StateOffloadOptimizer(torch.optim.Optimizer):
             self._staging = StateStaging(optimizer, pin=self.pin_memory, prefetch_bytes=prefetch_bytes,
                                          grad_accum_steps=grad_accum_steps)
             self._staging.hook_params()
+            ownership.note_other_wrapper(self)
         except BaseException:
             release_optimizer(self)  # the traceback may keep this half-built wrapper alive
             raise
