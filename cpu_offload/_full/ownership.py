@@ -3,8 +3,9 @@
 # values an earlier wrapper already cast away, and models driven by DDP (whose
 # reducer would never see the gradients the hooks consume).
 #
-# Scope: a process-wide registry of owned parameters (who drives this one), the cast marker, the DDP
-# check (a registry of live DDP instances), the fork check. Non-goals:
+# Scope: a process-wide registry of owned parameters (who drives this one) and of live
+# offload="optimizer" wrappers, the cast marker, the DDP check (a registry of live DDP
+# instances), the fork check. Non-goals:
 # anything per step.
 
 from __future__ import annotations
