@@ -204,11 +204,13 @@ def collect_records(optimizer: torch.optim.Optimizer) -> tuple[list[ParamRecord]
 
 
 def _check_no_grads(records: list[ParamRecord]) -> None:
-    """Raise if a parameter holds a gradient (a backward before wrapping, no zero_grad()).
+    """Raise if a parameter holds a non-zero gradient (a backward before wrapping, no zero_grad()).
 
     NOTE: full offload takes each gradient from backward's hooks; one left in ``.grad`` keeps
-    the dtype of the weights before the cast, and autograd would add the next gradient to it."""
-    held = [rec.name for rec in records if rec.param.grad is not None]
+    the dtype of the weights before the cast, and autograd would add the next gradient to it.
+    Zero ones (``zero_grad(set_to_none=False)``) are taken at the end of construction."""
+    held = [rec.name for rec in records
+            if rec.param.grad is not None and bool(local_of(rec.param.grad).detach().count_nonzero())]
     if held:
         raise ValueError(f"parameters {held[:8]}{' ...' if len(held) > 8 else ''} hold a gradient (param.grad) when "
                          "offload_optimizer wraps their optimizer; full offload takes gradients from backward and "

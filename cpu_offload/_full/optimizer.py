@@ -88,7 +88,7 @@ def _user_stacklevel() -> int:
     return level
 
 
-def _shutdown(records, pipeline, transfer, handles, trace, pid: int, *, finish_queued: bool = True) -> None:
+def _shutdown(records, pipeline, transfer, handles, trace, pid: int, proto, *, finish_queued: bool = True) -> None:
     """Release what a wrapper holds and write its trace; must not reference the wrapper (it
     runs from a finalizer). ``finish_queued``: the chunks queued or running are stepped
     first (close() has landed them already). NOTE: whole or not at all against Ctrl-C: run
@@ -101,9 +101,15 @@ def _shutdown(records, pipeline, transfer, handles, trace, pid: int, *, finish_q
     if finish_queued and pipeline.on_worker_thread():
         # NOTE: the garbage collector ran this finalizer on the worker, in a chunk: it cannot
         # wait for itself, so another thread waits for the queued chunks, then releases
-        threading.Thread(target=_shutdown, args=(records, pipeline, transfer, handles, trace, pid),
+        threading.Thread(target=_shutdown, args=(records, pipeline, transfer, handles, trace, pid, proto),
                          name="cpu_offload-shutdown", daemon=True).start()
         return
+    if proto.phase is Phase.APPLIED:
+        warnings.warn("cpu_offload: a full-offload optimizer was released after a window's last backward pass without "
+                      "step() (in a reference cycle, at exit, or on its worker thread): the window's step was not "
+                      "completed, so parameters whose state is on the device, or whose update a clipping factor "
+                      "changes, did not take it; call step() or close() before dropping it", RuntimeWarning,
+                      stacklevel=2)
     with deferred_interrupts():
         _unhook(records, handles)
         if finish_queued:
@@ -417,11 +423,8 @@ class FullCPUOffloadOptimizer(WindowControls, torch.optim.Optimizer):
                 self._next_forward = NextForwardHook(
                     lambda: None if (w := ref()) is None else w._recover_before_forward())
                 handles.append(self._next_forward)
-                self._next_pass_forward = NextForwardHook(
-                    lambda: None if (w := ref()) is None else w._take_grads_set_between_passes())
-                handles.append(self._next_pass_forward)
                 self._finalizer = weakref.finalize(self, _shutdown, records, self._pipeline, transfer, handles, trace,
-                                                   self._pid)
+                                                   self._pid, self._proto)
                 self._dtype_hint = None
                 if any(dtype.itemsize > compute_dtype.itemsize for dtype in originals.values()):
                     self._dtype_hint = watch_first_forward(compute_dtype)  # explains the dtype error of fp32 inputs
@@ -436,11 +439,23 @@ class FullCPUOffloadOptimizer(WindowControls, torch.optim.Optimizer):
                     cleared = dict(optimizer.state)
                     optimizer.state.clear()
                 self._proto.move(Phase.IDLE)
+                self._take_zero_grads()
         except BaseException:
             self._abort_construction(records, originals, handles)
             if cleared and not optimizer.state:
                 optimizer.state.update(cleared)
             raise
+
+    def _take_zero_grads(self) -> None:
+        """Zero gradients in ``.grad`` at wrapping (``zero_grad(set_to_none=False)`` after a
+        backward): the state that call leaves, as if made on this optimizer. The gradient goes
+        (full offload keeps none in ``.grad``), its parameter holds a zero gradient, which torch
+        steps when no other comes. Non-zero ones were refused (``collect_records``)."""
+        for rec in self._records:
+            if rec.param.grad is not None:
+                rec.param.grad = None
+                rec.holds_grad = True
+                self._proto.zero_fill = self._proto.zeroed = True
 
     def _abort_construction(self, records, originals: dict, handles: list) -> None:
         """Undo a construction that raised: the parameters get their dtypes and values back
@@ -566,18 +581,19 @@ class FullCPUOffloadOptimizer(WindowControls, torch.optim.Optimizer):
         if not self._proto.final:
             self._proto.micro += 1
             self._proto.move(Phase.ACCUMULATING)
-            self._next_pass_forward.arm()
             return
         self._complete_window()
 
-    def _take_grads_set_between_passes(self, current=None) -> None:
+    def _take_grads_set_between_passes(self, current) -> None:
         """A gradient assigned to ``param.grad`` between two backward passes of a window (the
         hooks leave it None): the next pass adds to it in ``.grad``, so that sum replaces the
-        window's sum so far, as in torch. Looked for before the next pass's first forward and
-        again at its first gradient (``current``, whose ``.grad`` already holds that pass's)."""
-        self._next_pass_forward.remove()
-        if self._proto.phase is not Phase.ACCUMULATING and current is None:
-            return
+        window's sum so far, as in torch. Looked for at the pass's first gradient.
+
+        NOTE: ``current``, whose ``.grad`` already holds that pass's gradient, cannot be told
+        apart from one added to an assigned value. A process-wide forward hook armed between
+        passes would see it, but a module hook present while a backward recomputes compiled
+        checkpointed blocks (losses computed before their backwards) makes torch.compile
+        pick another graph (``_backward_died``)."""
         for rec in self._records:
             if rec is not current and rec.has_accum and rec.param.grad is not None:
                 rec.has_accum = False
@@ -1217,25 +1233,21 @@ class FullCPUOffloadOptimizer(WindowControls, torch.optim.Optimizer):
         # NOTE: dropped after a window's last backward without step(), the window closes as
         # close() closes it: the finalizer alone only lets the worker finish, so the host
         # records kept a speculative update (without the window's clipping factor) and the
-        # device records none, the split deciding which weights took the step.
+        # device records none, the split deciding which weights took the step. Where the
+        # finalizer runs first (a reference cycle, the interpreter's exit) it says so.
+        finalizer, proto = getattr(self, "_finalizer", None), getattr(self, "_proto", None)
+        if finalizer is None or not finalizer.alive or proto is None or proto.phase is not Phase.APPLIED:
+            return
+        if os.getpid() != self._pid or self._pipeline.on_worker_thread():
+            return  # a forked child's window is the parent's; the worker cannot wait for itself: the finalizer says
         try:
-            finalizer, proto = getattr(self, "_finalizer", None), getattr(self, "_proto", None)
-            if finalizer is None or not finalizer.alive or proto is None or proto.phase is not Phase.APPLIED:
-                return
-            if os.getpid() != self._pid:
-                return  # a forked child: the window is the parent's
-            if self._pipeline.on_worker_thread():  # NOTE: it cannot wait for itself
-                warnings.warn("cpu_offload: a full-offload optimizer was dropped after a window's last backward pass "
-                              "without step(), by the garbage collector on its worker thread: the window's step was "
-                              "not completed (parameters whose state is on the device, or whose update a clipping "
-                              "factor changes, did not take it); call step() before dropping it", RuntimeWarning,
-                              stacklevel=_user_stacklevel())
-                return
-            self._close("dropping the optimizer")
+            # NOTE: whole: a Ctrl-C here would leave the window open, with no one to close it again;
+            # delivered after it, it surfaces as an exception __del__ can only print
+            with deferred_interrupts():
+                self._close("dropping the optimizer")
         except Exception as exc:  # NOTE: an exception leaving __del__ is only printed
-            warnings.warn(f"cpu_offload: a full-offload optimizer was dropped after a window's last backward pass "
-                          f"without step(), and closing that window failed ({type(exc).__name__}: {exc}): reload the "
-                          "last checkpoint", RuntimeWarning, stacklevel=_user_stacklevel())
+            warnings.warn(f"cpu_offload: a full-offload optimizer dropped after a window's last backward pass without "
+                          f"step(): {exc}", RuntimeWarning, stacklevel=_user_stacklevel())
 
     def _close(self, call: str) -> None:
         if self._proto.phase is Phase.CLOSED:

@@ -20,6 +20,7 @@
 from __future__ import annotations
 
 import functools
+import sys
 import warnings
 
 import torch
@@ -79,6 +80,15 @@ def _owner_of_all(params: list, what: str):
     return owner
 
 
+def _caller_level() -> int:
+    """The stack level of the code that called torch's clipping (through torch's wrapper of it
+    too, when it was imported before cpu_offload)."""
+    level, frame = 2, sys._getframe(2)
+    while frame is not None and frame.f_code.co_filename == _clip_grad.__file__:
+        frame, level = frame.f_back, level + 1
+    return level
+
+
 @functools.wraps(_torch_clip_grad_norm_, assigned=("__name__", "__qualname__", "__doc__"))
 def clip_grad_norm_(parameters, max_norm, norm_type=2.0, error_if_nonfinite=False, foreach=None):
     params = _as_list(parameters)
@@ -89,7 +99,7 @@ def clip_grad_norm_(parameters, max_norm, norm_type=2.0, error_if_nonfinite=Fals
                 f"torch.nn.utils.clip_grad_norm_ got no parameter that holds a gradient ({len(params)} parameters) "
                 "while a full-offload optimizer holds this window's gradients on the host: nothing was clipped. "
                 "Under full offload param.grad is None after backward, so a list filtered on p.grad is empty: "
-                "pass model.parameters() (or call opt.clip_grad_norm_)", RuntimeWarning, stacklevel=2)
+                "pass model.parameters() (or call opt.clip_grad_norm_)", RuntimeWarning, stacklevel=_caller_level())
         with torch.no_grad():
             return _torch_clip_grad_norm_(params, max_norm, norm_type, error_if_nonfinite, foreach)
     return owner.clip_grad_norm_(max_norm, norm_type, error_if_nonfinite)

@@ -15,7 +15,7 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 
 import cpu_offload._full.chunk_runner as runner_mod
 from cpu_offload._full.optimizer import FullCPUOffloadOptimizer
-from helpers import (Net, SMALL, assert_same_state, batches, build, capture, expected, named, records_of, run,
+from helpers import (Net, SMALL, assert_same_state, batches, build, capture, check_stepped_once, expected, named, records_of, run,
                      snapshot, train_step, worker_parts_of)
 
 
@@ -173,6 +173,26 @@ def test_a_gradient_left_in_param_grad_at_wrapping_is_refused_and_leaves_everyth
     off = FullCPUOffloadOptimizer(opt, **SMALL)
     train_step(model, off, 0, 1)
     off.step()
+    off.close()
+
+
+def test_zero_gradients_left_at_wrapping_are_held_as_zero_grad_leaves_them():
+    """``zero_grad(set_to_none=False)`` after a backward, then wrapping: the zero gradients stay
+    in .grad in torch, so a parameter without a gradient in the next window is still stepped
+    (with zeros). They are taken at wrapping as the wrapper's own zero_grad(set_to_none=False)
+    leaves them: .grad is None, and the parameter holds a zero gradient."""
+    model, opt = build("adamw")
+    grads = capture(model)  # registered first: runs before the offload hook
+    model(torch.randn(4, 24), use_extra=True).pow(2).mean().backward()
+    opt.zero_grad(set_to_none=False)
+    off = FullCPUOffloadOptimizer(opt, **SMALL)
+    assert all(p.grad is None for p in model.parameters())
+    before = snapshot(off)
+    grads.clear()
+    train_step(model, off, 1, 1)  # an odd step: `extra` gets no gradient
+    off.step()
+    assert "extra" not in grads
+    check_stepped_once(model, off, before, {**grads, "extra": [torch.zeros(8)]}, 1.0, "zero gradients at wrapping")
     off.close()
 
 

@@ -8,6 +8,8 @@
 # record whole on the host or the device.
 import gc
 import math
+import signal
+import sys
 import warnings
 
 import pytest
@@ -603,3 +605,35 @@ def test_an_optimizer_dropped_after_the_last_backward_completes_the_step_as_clos
     for n in want:
         assert torch.equal(got[n], want[n]), n
     assert [w for w in warned if "dropping the optimizer without step()" in w]
+
+
+def test_a_ctrl_c_while_a_dropped_optimizer_closes_its_window_lets_it_close(monkeypatch):
+    """A SIGINT while the garbage collector closes a dropped optimizer's window: close()
+    re-raises it with the window open, for close() to be called again, which no one can do
+    for a dropped optimizer. It is held back until the window is closed."""
+    want, _ = _weights_after_a_window_without_step(HALF_STATE, 1e-3, "step")
+    real = FullCPUOffloadOptimizer._close
+
+    def interrupted(self, call):  # before it lands the last step and closes the window
+        signal.raise_signal(signal.SIGINT)
+        return real(self, call)
+
+    monkeypatch.setattr(FullCPUOffloadOptimizer, "_close", interrupted)
+    unraisable = []
+    monkeypatch.setattr(sys, "unraisablehook", unraisable.append)
+    got, _ = _weights_after_a_window_without_step(HALF_STATE, 1e-3, "drop")
+    for n in want:
+        assert torch.equal(got[n], want[n]), n
+    assert [u for u in unraisable if isinstance(u.exc_value, KeyboardInterrupt)]  # delivered, once closed
+
+
+def test_an_optimizer_released_in_a_reference_cycle_after_the_last_backward_says_its_step_was_not_completed():
+    """In a reference cycle the finalizer runs before __del__, and it cannot close the window
+    (it holds no reference to the optimizer): it warns that the step was not completed."""
+    model, opt = build("adamw")
+    off = FullCPUOffloadOptimizer(opt, gpu_state=HALF_STATE, **SMALL)
+    train_step(model, off, 0, 1)
+    off.cycle = [off]
+    with pytest.warns(RuntimeWarning, match="released after a window's last backward pass without step.*not completed"):
+        del off, opt
+        gc.collect()

@@ -272,7 +272,8 @@ def test_a_gradient_assigned_between_two_passes_replaces_the_windows_sum_as_in_t
     """``p.grad = x`` between two backward passes of a window: torch's next pass adds to x, so
     the window's gradient is x plus what follows. Full offload's hooks had taken the earlier
     passes to the host and added x plus the next gradient to them, silently. Now x replaces
-    the window's sum so far, as in torch."""
+    the window's sum so far, as in torch (but on the parameter whose gradient the pass
+    produces first: its hook cannot tell x plus that gradient from the gradient)."""
     model, opt = build("adamw")
     grads = capture(model)  # registered first: sees x plus the pass's gradient
     off = FullCPUOffloadOptimizer(opt, grad_accum_steps=k, gpu_state=gpu_state, **SMALL)
