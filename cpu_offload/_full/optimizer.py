@@ -795,6 +795,7 @@ class FullCPUOffloadOptimizer(WindowControls, torch.optim.Optimizer):
         # NOTE: read as torch's step() reads them: values set since the last backward began
         # make the step be redone with them (validation.py); a bad one raises before anything changes
         current = self._read_hparams()
+        check_moved_storage(self._records)  # NOTE: before any edit is taken
         late_counts = self._take_count_edits()  # NOTE: a bad count raises before anything changes
         late_edits = self._take_edits_before_step()
         # NOTE: IDLE here: after zero_grad(set_to_none=False) torch's step() steps every parameter
@@ -882,7 +883,6 @@ class FullCPUOffloadOptimizer(WindowControls, torch.optim.Optimizer):
         checked then (an edit may be overwritten, docs/full-offload.md)."""
         if self._proto.phase is not Phase.APPLIED or self._proto.landed or not self._overlap:
             # NOTE: device records take theirs when they are stepped (_step_device_state)
-            check_moved_storage(self._records)
             return adopt_edits_before_step([r for r in self._records if not r.on_device])
         return []
 
@@ -1064,6 +1064,7 @@ class FullCPUOffloadOptimizer(WindowControls, torch.optim.Optimizer):
         step() closes it, with the hyper-parameters of that backward. Returns the error naming
         the host records whose weights or step counts were changed in place after their update
         ran, their change undone (the caller raises it), or None."""
+        check_moved_storage(self._records)  # NOTE: before any edit is taken
         late_counts = self._take_count_edits()
         late_edits = self._take_edits_before_step()
         self._guarded(self._validator.apply)
