@@ -73,6 +73,19 @@ def load_benchmark(file_name: str, module_name: str):
     return module
 
 
+def refused_by_name(main, argv: list, path: Path, content, capsys) -> str:
+    """``path`` written with ``content`` (None: left missing), then a report script's
+    ``main(argv)``: it must exit 2 with a message naming the file; returns that message."""
+    if content is not None:
+        path.write_text(content)
+    with pytest.raises(SystemExit) as e:
+        main(argv)
+    assert e.value.code == 2
+    err = capsys.readouterr().err
+    assert str(path) in err
+    return err
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))

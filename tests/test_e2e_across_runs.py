@@ -4,7 +4,7 @@
 import json
 
 import pytest
-from helpers import load_benchmark
+from helpers import load_benchmark, refused_by_name
 
 
 def _read(path):
@@ -70,10 +70,4 @@ def test_the_step_against_the_floor_of_the_hosts_probe(tmp_path, capsys):
 def test_a_file_that_is_not_an_e2e_report_is_refused_by_name(tmp_path, capsys, content, message):
     bench = load_benchmark("e2e_across_runs.py", "e2e_across_runs_bench")
     path = tmp_path / "run.json"
-    if content is not None:
-        path.write_text(content)
-    with pytest.raises(SystemExit) as e:
-        bench.main([str(path)])
-    assert e.value.code == 2
-    err = capsys.readouterr().err
-    assert str(path) in err and message in err
+    assert message in refused_by_name(bench.main, [str(path)], path, content, capsys)

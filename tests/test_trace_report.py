@@ -4,7 +4,7 @@ import json
 
 import pytest
 import torch
-from helpers import batches, build, load_benchmark
+from helpers import batches, build, load_benchmark, refused_by_name
 
 from cpu_offload._full.optimizer import FullCPUOffloadOptimizer
 from cpu_offload._full.trace import ENV
@@ -64,13 +64,7 @@ def test_a_real_trace_reads_back(report, monkeypatch, tmp_path, capsys):
 ])
 def test_a_file_that_is_not_a_trace_is_refused_by_name(report, tmp_path, capsys, content, message):
     path = tmp_path / "trace_1.json"
-    if content is not None:
-        path.write_text(content)
-    with pytest.raises(SystemExit) as e:
-        report.main([str(path)])
-    assert e.value.code == 2
-    err = capsys.readouterr().err
-    assert str(path) in err and message in err
+    assert message in refused_by_name(report.main, [str(path)], path, content, capsys)
 
 
 @pytest.mark.parametrize("flags, message", [(["--skip", "-1"], "--skip must be >= 0"),
