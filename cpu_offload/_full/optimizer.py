@@ -745,8 +745,7 @@ class FullCPUOffloadOptimizer(WindowControls, torch.optim.Optimizer):
         if not self._validator.skipped:
             # NOTE: their weights are still those before the step, as in torch: an edit made
             # since the last backward is what the step updates (else its compute copy was lost)
-            if self._device.records:
-                check_moved_storage(self._records)
+            if self._device.records:  # NOTE: step() and _close_without_step() checked for tied storage
                 adopt_external_weights(self._device.records)
             note_versions(self._device.step(hparams or self._pipeline.hparams, self._validator.factor()))
 
