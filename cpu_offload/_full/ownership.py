@@ -16,8 +16,8 @@ import weakref
 
 import torch
 
-__all__ = ["check_unowned", "claim", "release", "owner_of", "owned_count", "live_owners", "note_other_wrapper",
-           "mark_cast", "unmark_cast", "check_not_cast", "check_not_ddp", "check_same_process"]
+__all__ = ["check_unowned", "check_not_full_offloaded", "claim", "release", "owner_of", "owned_count", "live_owners",
+           "note_other_wrapper", "mark_cast", "unmark_cast", "check_not_cast", "check_not_ddp", "check_same_process"]
 
 # NOTE: reentrant: the garbage collector may run inside a section holding it (claim() allocates)
 # and finalize a dropped wrapper there, whose release() takes it again on the same thread.
@@ -71,6 +71,20 @@ def check_unowned(records) -> None:
                     "return it again). To start a new one, close() the first, convert the parameters back with "
                     "model.float() and load the first's state_dict() into the new one"
                 )
+
+
+def check_not_full_offloaded(param_groups) -> None:
+    """Raise if a live full-offload optimizer drives one of the parameters (for a wrapper of
+    another mode): its hooks take their gradients during backward, so the other optimizer
+    would never see one and never step them."""
+    for gi, group in enumerate(param_groups):
+        for pi, p in enumerate(group["params"]):
+            owner = owner_of(p)
+            if owner is not None:
+                raise RuntimeError(
+                    f"parameter param_groups[{gi}][{pi}] is driven by a live {type(owner).__name__}, whose hooks take "
+                    "its gradient during backward: this optimizer would never see one and never step it; give each "
+                    "parameter one optimizer (close() the full-offload one first)")
 
 
 def claim(records, wrapper) -> None:

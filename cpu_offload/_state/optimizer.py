@@ -28,19 +28,6 @@ from cpu_offload._common.wrapping import (
 __all__ = ["StateOffloadOptimizer"]
 
 
-def _check_not_full_offloaded(optimizer: torch.optim.Optimizer) -> None:
-    """Raise if a live full-offload optimizer drives one of the parameters: its hooks take their
-    gradients during backward, so this optimizer would never see one and never step them."""
-    for gi, group in enumerate(optimizer.param_groups):
-        for pi, p in enumerate(group["params"]):
-            owner = ownership.owner_of(p)
-            if owner is not None:
-                raise RuntimeError(
-                    f"parameter param_groups[{gi}][{pi}] is driven by a live {type(owner).__name__}, whose hooks take "
-                    "its gradient during backward: this optimizer would never see one and never step it; give each "
-                    "parameter one optimizer (close() the full-offload one first)")
-
-
 class StateOffloadOptimizer(torch.optim.Optimizer):
     """Keeps a torch optimizer's state in host RAM between steps.
 
@@ -80,7 +67,7 @@ class StateOffloadOptimizer(torch.optim.Optimizer):
                              "CUDA is available) or pass pin_memory=False")
         check_int("prefetch_bytes", prefetch_bytes, low=0, none="no cap")
         check_int("grad_accum_steps", grad_accum_steps, low=1, none="")
-        _check_not_full_offloaded(optimizer)
+        ownership.check_not_full_offloaded(optimizer.param_groups)
         adopt_optimizer(self, optimizer, runs_torch_hooks=False)
         self.pin_memory = torch.cuda.is_available() if pin_memory is None else pin_memory
         try:
