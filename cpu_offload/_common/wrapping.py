@@ -10,8 +10,10 @@
 
 from __future__ import annotations
 
+import threading
 import weakref
 from collections import OrderedDict
+from contextlib import contextmanager
 from typing import Callable
 
 import torch
@@ -134,15 +136,21 @@ def step_without_global_hooks(optimizer: torch.optim.Optimizer) -> Callable:
 
     NOTE: an LR scheduler built on the optimizer before it was wrapped patched its step on the
     instance, to mark ``_opt_called`` and call the class step: that mark is set here. Any other
-    step patched on the instance (``optimizer.step = ...``), or a class step torch did not hook,
-    is called as it is."""
+    step patched on the instance (``optimizer.step = ...``) is called as it is, with the global
+    hooks skipped for this optimizer while it runs (the hooked class step it may call would run
+    them again); a class step torch did not hook is called as it is."""
     hooked = type(optimizer).step
     func = getattr(hooked, "__wrapped__", None)
     patched = vars(optimizer).get("step")
     by_scheduler = (getattr(patched, "_wrapped_by_lr_sched", False)
                     and getattr(patched, "__wrapped__", None) is hooked)
-    if not getattr(hooked, "hooked", False) or func is None or (patched is not None and not by_scheduler):
+    if not getattr(hooked, "hooked", False) or func is None:
         return optimizer.step
+    if patched is not None and not by_scheduler:
+        def patched_step(*args, **kwargs):
+            with _global_step_hooks_skipped_for(optimizer):
+                return patched(*args, **kwargs)
+        return patched_step
 
     def step(*args, **kwargs):
         if by_scheduler:
@@ -160,6 +168,49 @@ def step_without_global_hooks(optimizer: torch.optim.Optimizer) -> Callable:
             post_hook(optimizer, args, kwargs)
         return out
     return step
+
+
+_global_hooks_lock = threading.Lock()
+_skipped: "weakref.WeakSet" = weakref.WeakSet()  # optimizers whose global step hooks are skipped now
+
+
+@contextmanager
+def _global_step_hooks_skipped_for(optimizer: torch.optim.Optimizer):
+    """Skip torch's global step hooks for ``optimizer`` (only) while the block runs.
+
+    NOTE: torch calls every hook in ``_global_optimizer_pre_hooks`` / ``_post_hooks`` with the
+    optimizer stepping; each is replaced, in place under its own key (so its handle still
+    removes it), by a filter that skips ``optimizer``. The filters go in when the first such
+    block starts and come out when the last one ends, so other optimizers (other threads)
+    keep their hooks throughout."""
+    from torch.optim import optimizer as torch_optimizer
+    tables = (torch_optimizer._global_optimizer_pre_hooks, torch_optimizer._global_optimizer_post_hooks)
+    with _global_hooks_lock:
+        if not _skipped:
+            for table in tables:
+                for key, hook in list(table.items()):
+                    table[key] = _SkipFiltered(hook)
+        _skipped.add(optimizer)
+    try:
+        yield
+    finally:
+        with _global_hooks_lock:
+            _skipped.discard(optimizer)
+            if not _skipped:
+                for table in tables:
+                    for key, hook in list(table.items()):
+                        if isinstance(hook, _SkipFiltered):
+                            table[key] = hook.hook
+
+
+class _SkipFiltered:
+    """A global step hook that does not run for the optimizers in ``_skipped``."""
+
+    def __init__(self, hook):
+        self.hook = hook
+
+    def __call__(self, optimizer, args, kwargs):
+        return None if optimizer in _skipped else self.hook(optimizer, args, kwargs)
 
 
 def refuse_copy(wrapper) -> None:

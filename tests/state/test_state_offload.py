@@ -321,6 +321,52 @@ def test_global_step_hooks_run_once_a_step_around_the_wrapper():
                              ("post", "StateOffloadOptimizer")] * 3
 
 
+def test_global_step_hooks_run_once_a_step_around_a_step_patched_on_the_wrapped_optimizer():
+    """A step patched on the wrapped optimizer's instance (``opt.step = counted(opt.step)``)
+    was called as it was, and the hooked step it calls ran the global step hooks a second
+    time inside the wrapper's step."""
+    from torch.optim.optimizer import register_optimizer_step_post_hook, register_optimizer_step_pre_hook
+
+    def run(wrap):
+        calls = []
+
+        def pre(opt, args, kwargs):
+            calls.append(("pre", type(opt).__name__))
+            for group in opt.param_groups:
+                for p in group["params"]:
+                    p.grad.mul_(0.5)
+
+        handles = [register_optimizer_step_pre_hook(pre),
+                   register_optimizer_step_post_hook(lambda o, a, k: calls.append(("post", type(o).__name__)))]
+        try:
+            model, data = model_and_data(seed=int(torch.randint(1 << 30, ())))
+            opt = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1)
+            hooked = opt.step
+
+            def counted(*args, **kwargs):
+                calls.append(("patched", type(hooked.__self__).__name__))
+                return hooked(*args, **kwargs)
+            opt.step = counted
+            if wrap:
+                opt = StateOffloadOptimizer(opt)
+            train(model, opt, data[:3])
+        finally:
+            for handle in handles:
+                handle.remove()
+        return [p.detach().clone() for p in model.parameters()], calls
+
+    seed = int(torch.randint(1 << 30, ()))
+    torch.manual_seed(seed)
+    plain, plain_calls = run(False)
+    torch.manual_seed(seed)
+    wrapped, wrapped_calls = run(True)
+    for a, b in zip(plain, wrapped):
+        assert torch.equal(a, b)
+    assert plain_calls == [("patched", "AdamW"), ("pre", "AdamW"), ("post", "AdamW")] * 3
+    assert wrapped_calls == [("pre", "StateOffloadOptimizer"), ("patched", "AdamW"),
+                             ("post", "StateOffloadOptimizer")] * 3
+
+
 def test_param_groups_assigned_to_the_wrapper_are_the_ones_the_step_reads():
     """A new param_groups list (new dicts, another lr) assigned to the wrapper (as accelerate's
     AcceleratedOptimizer.param_groups setter does) reached the wrapper only: the wrapped
