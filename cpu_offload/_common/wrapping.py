@@ -41,10 +41,9 @@ def check_not_offloaded(optimizer) -> None:
         # wrapper's copy-in would read the host buffers whose copy-out the other one's
         # stream may still be writing, and a state-offload wrapper over full offload would
         # checkpoint the torch optimizer's empty state instead of the masters.
-        ends = "close() it" if hasattr(wrapper, "close") else "drop every reference to it"
         raise RuntimeError(f"optimizer is already driven by a live {type(wrapper).__name__} (from offload_optimizer()): "
                            f"a torch optimizer can have one offload wrapper at a time; keep using that one, or "
-                           f"{ends} before wrapping the optimizer again")
+                           f"close() it before wrapping the optimizer again")
 
 
 class _WithTorchOptimizersHooks(OrderedDict):

@@ -17,7 +17,8 @@ import weakref
 import torch
 
 __all__ = ["check_unowned", "check_not_full_offloaded", "claim", "release", "owner_of", "owned_count", "live_owners",
-           "note_other_wrapper", "mark_cast", "unmark_cast", "check_not_cast", "check_not_ddp", "check_same_process"]
+           "note_other_wrapper", "forget_other_wrapper",
+           "mark_cast", "unmark_cast", "check_not_cast", "check_not_ddp", "check_same_process"]
 
 # NOTE: reentrant: the garbage collector may run inside a section holding it (claim() allocates)
 # and finalize a dropped wrapper there, whose release() takes it again on the same thread.
@@ -50,6 +51,11 @@ def note_other_wrapper(wrapper) -> None:
     _other_wrappers.add(wrapper)
 
 
+def forget_other_wrapper(wrapper) -> None:
+    """An offload="optimizer" wrapper was closed: its parameters are free again."""
+    _other_wrappers.discard(wrapper)
+
+
 def check_unowned(records) -> None:
     """Raise if a live wrapper already drives one of the records' parameters."""
     for other in list(_other_wrappers):
@@ -59,7 +65,7 @@ def check_unowned(records) -> None:
                 raise RuntimeError(
                     f"parameter {rec.name} is driven by a live {type(other).__name__}: full offload would take its "
                     "gradient during backward, and that optimizer would never step it again; give each parameter "
-                    "one optimizer (drop every reference to the other first)")
+                    "one optimizer (close() the other first)")
     with _lock:
         for rec in records:
             entry = _owners.get(id(rec.param))

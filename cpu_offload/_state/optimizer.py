@@ -135,6 +135,7 @@ class StateOffloadOptimizer(torch.optim.Optimizer):
 
         A ``closure`` goes to the wrapped optimizer's step, which calls it when it needs
         to (LBFGS: several times; its backward then runs with the state on the device)."""
+        self._check_open("step()")
         result = []
         step = step_without_global_hooks(self.optimizer)
         if closure is None:
@@ -182,6 +183,7 @@ class StateOffloadOptimizer(torch.optim.Optimizer):
     def load_state_dict(self, state_dict: dict) -> None:
         """Load into the wrapped optimizer, keeping ``param_groups`` the same list
         of the same dicts; the load_state_dict hooks of this wrapper run around it."""
+        self._check_open("load_state_dict()")
         load_state_dict_with_hooks(self, state_dict, self._apply_state_dict)
 
     def _apply_state_dict(self, state_dict: dict) -> None:
@@ -212,6 +214,21 @@ class StateOffloadOptimizer(torch.optim.Optimizer):
         self._staging.hook_params()
         self._staging.copy_all_out()
         self._staging.wait()
+
+    def close(self) -> None:
+        """Wait for the last step's copies, remove the gradient hooks and give the torch
+        optimizer back: another wrapper, of either mode, may then take it or its parameters.
+        Its state stays in the host buffers. Idempotent; step() and load_state_dict() then
+        raise."""
+        with deferred_interrupts():
+            self._staging.close()
+            release_optimizer(self)
+            ownership.forget_other_wrapper(self)
+
+    def _check_open(self, call: str) -> None:
+        if self._staging.closed:
+            raise RuntimeError(f"{call}: this StateOffloadOptimizer was closed; wrap its torch optimizer "
+                               "(.optimizer) again to go on training with it")
 
     def __repr__(self) -> str:
         return f"StateOffloadOptimizer({self.optimizer!r})"

@@ -112,6 +112,7 @@ class StateStaging:
         self.h2d_bytes = 0  # since the last step, prefetches included
         self.timing = None  # the last step's timing events around the wait for copy-ins
         self.refused = None  # why this optimizer's state cannot be offloaded, once a step showed it
+        self.closed = False  # close(): no hooks, no copies; the state stays in the host buffers
         self.kept_on_device: set = set()  # (id(param), key) of sparse state tensors, each warned about once
         self.last_stats = {"h2d_bytes": 0, "d2h_bytes": 0, "prefetched_bytes": 0, "step_copied_bytes": 0,
                            "overlapped_d2h_bytes": 0, "step_blocked_s": 0.0, "copy_wait_s": 0.0, "host_bytes": 0}
@@ -126,6 +127,8 @@ class StateStaging:
     def hook_params(self) -> None:
         """Register the gradient hook on every parameter that needs one (new
         groups, parameters unfrozen since)."""
+        if self.closed:
+            return
         hook = None
         for group in self.optimizer.param_groups:
             for p in group["params"]:
@@ -442,6 +445,13 @@ class StateStaging:
         for engine in list(self.copies.values()):
             engine.synchronize()
         self.discard_prefetched()
+
+    def close(self) -> None:
+        """Every copy landed, the gradient hooks removed; the state stays in the host buffers."""
+        self.drain()
+        with self.lock:
+            self.closed = True
+            _remove_hooks(self.handles)
 
     def copy_all_out(self) -> None:
         """Move state the wrapped optimizer holds on the device (a loaded state_dict) to the host."""

@@ -48,6 +48,35 @@ def test_equals_wrapped_optimizer_bitwise():
     assert wrapped.param_groups is wrapped.optimizer.param_groups
 
 
+def test_close_gives_the_optimizer_back_with_its_state_on_the_host():
+    """A StateOffloadOptimizer had no close(): the only way to hand its torch optimizer or its
+    parameters to another wrapper was to drop every reference to it. close() waits for the
+    last copies, removes its gradient hooks and gives the optimizer back; a new wrapper over
+    it trains on from the state it left, bit for bit as the plain optimizer."""
+    m1, data = model_and_data(seed=int(torch.randint(1 << 30, ())))
+    m2 = copy.deepcopy(m1)
+    plain = torch.optim.AdamW(m1.parameters(), lr=1e-2, weight_decay=0.1)
+    inner = torch.optim.AdamW(m2.parameters(), lr=1e-2, weight_decay=0.1)
+    wrapped = StateOffloadOptimizer(inner)
+    train(m1, plain, data[:3])
+    train(m2, wrapped, data[:3])
+    hooks = [len(p._post_accumulate_grad_hooks or {}) for p in m2.parameters()]
+    wrapped.close()
+    wrapped.close()  # idempotent
+    assert [len(p._post_accumulate_grad_hooks or {}) for p in m2.parameters()] == [h - 1 for h in hooks]
+    for p in m2.parameters():
+        assert inner.state[p]["exp_avg"] is state_staging_of(wrapped).host[(id(p), "exp_avg")]
+    for call in (wrapped.step, lambda: wrapped.load_state_dict(inner.state_dict())):
+        with pytest.raises(RuntimeError, match=r"StateOffloadOptimizer was closed.*wrap"):
+            call()
+    assert wrapped.state_dict()["state"][0]["step"] == 3  # still readable
+    again = StateOffloadOptimizer(inner)
+    train(m1, plain, data[3:])
+    train(m2, again, data[3:])
+    for a, b in zip(m1.parameters(), m2.parameters()):
+        assert torch.equal(a, b)
+
+
 def test_replacing_the_state_resets_it_as_in_torch():
     """``opt.state = defaultdict(dict)`` (a reset, as torch allows) raised an AttributeError
     (a property without a setter). It replaces the wrapped optimizer's state: the next steps

@@ -423,6 +423,32 @@ def test_a_ctrl_c_at_any_line_of_load_state_dict_loads_all_or_nothing(sigint_rai
     assert k > 100 and outcomes == {"untouched", "loaded"}
 
 
+def test_a_ctrl_c_at_any_line_of_close_closes_whole_or_not_at_all(sigint_raises):
+    """close() removes the hooks, releases the torch optimizer and its parameters: a Ctrl-C
+    inside it leaves all of that done (a new wrapper takes the optimizer) or none of it (the
+    wrapper trains on), and either way the training equals the plain optimizer's."""
+    k, outcomes = 0, set()
+    while True:
+        k += 1
+        m1, plain, m2, wrapped = pair("adamw")
+        train(m1, plain, [0, 1])
+        train(m2, wrapped, [0, 1])
+        hit, raised = sigint_at_line(k, wrapped.close)
+        if not hit:
+            break
+        assert isinstance(raised, KeyboardInterrupt), (k, raised)
+        if state_staging_of(wrapped).closed:
+            outcomes.add("closed")
+            assert not state_staging_of(wrapped).handles
+            wrapped = StateOffloadOptimizer(wrapped.optimizer)
+        else:
+            outcomes.add("open")
+        train(m1, plain, [2])
+        train(m2, wrapped, [2])
+        assert_same(m1, plain, m2, wrapped)
+    assert k > 3 and outcomes == {"open", "closed"}
+
+
 @pytest.mark.filterwarnings("ignore::pytest.PytestUnraisableExceptionWarning")  # the finalizer's, below
 def test_a_ctrl_c_at_any_line_of_a_backward_then_the_batch_again_trains_exactly(sigint_raises):
     """A CPU backward runs the prefetch hooks on the main thread: a Ctrl-C at any of their lines,
