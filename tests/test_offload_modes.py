@@ -145,6 +145,38 @@ def test_a_state_offload_optimizer_over_parameters_full_offload_drives_is_refuse
     state.close()
     offload_optimizer(torch.optim.AdamW(model.parameters()), offload="full").close()
 
+def test_a_torch_optimizer_stepping_parameters_full_offload_drives_is_refused():
+    """A plain torch optimizer (or an offload="optimizer" wrapper that gained them through
+    add_param_group) over parameters a live full-offload optimizer drives never saw their
+    gradients, which full offload's hooks take during backward: its step() silently left
+    them as they were. Its step() is refused before anything changes, naming the parameter;
+    the full-offload optimizer's own step, and any once it is closed, go on."""
+    model, opt = opt_for()
+    full = offload_optimizer(opt, offload="full")
+    plain = torch.optim.SGD([model.bias], lr=0.1)
+    other = nn.Linear(2, 2)
+    state = offload_optimizer(torch.optim.SGD(other.parameters(), lr=0.1))
+    state.add_param_group({"params": [model.weight]})
+    x = torch.randn(3, 8, dtype=torch.bfloat16)
+    start = model.bias.detach().clone()
+    model(x).float().pow(2).mean().backward()
+    other(torch.randn(3, 2)).pow(2).mean().backward()
+    with pytest.raises(RuntimeError, match=r"param_groups\[0\]\[0\] is driven by a live FullCPUOffloadOptimizer"):
+        plain.step()
+    before = [p.detach().clone() for p in other.parameters()]
+    with pytest.raises(RuntimeError, match=r"param_groups\[1\]\[0\] is driven by a live FullCPUOffloadOptimizer"):
+        state.step()
+    assert all(torch.equal(a, b) for a, b in zip(before, other.parameters()))  # nothing stepped
+    full.step()
+    assert not torch.equal(model.bias, start)
+    full.close()
+    model.float()
+    model(x.float()).pow(2).mean().backward()
+    bias = model.bias.detach().clone()
+    plain.step()
+    assert torch.equal(model.bias, bias - 0.1 * model.bias.grad)
+
+
 @pytest.mark.parametrize("mode", ["optimizer", "full"])
 def test_a_wrapper_whose_construction_failed_does_not_hold_the_optimizer(monkeypatch, mode):
     import cpu_offload._full.optimizer as full_module

@@ -15,6 +15,7 @@ import threading
 import weakref
 
 import torch
+from torch.optim.optimizer import register_optimizer_step_pre_hook
 
 __all__ = ["check_unowned", "check_not_full_offloaded", "claim", "release", "owner_of", "owned_count", "live_owners",
            "note_other_wrapper", "forget_other_wrapper",
@@ -91,6 +92,29 @@ def check_not_full_offloaded(param_groups) -> None:
                     f"parameter param_groups[{gi}][{pi}] is driven by a live {type(owner).__name__}, whose hooks take "
                     "its gradient during backward: this optimizer would never see one and never step it; give each "
                     "parameter one optimizer (close() the full-offload one first)")
+
+
+def _refuse_other_optimizers_step(optimizer, args, kwargs) -> None:
+    """Global step pre-hook: an optimizer other than the full-offload one (or a proxy sharing
+    its ``param_groups``: Lightning's, accelerate's) stepping a parameter that full offload
+    drives raises before anything changes: it would never see that parameter's gradient.
+
+    NOTE: installed when this module is imported; while no parameter is owned it returns at
+    once, and for the owner it returns at the first owned parameter."""
+    if not _owners:
+        return None
+    groups = optimizer.param_groups
+    for group in groups:
+        for p in group["params"]:
+            owner = owner_of(p)
+            if owner is not None:
+                if owner.param_groups is groups:
+                    return None
+                check_not_full_offloaded(groups)
+    return None
+
+
+register_optimizer_step_pre_hook(_refuse_other_optimizers_step)
 
 
 def claim(records, wrapper) -> None:
