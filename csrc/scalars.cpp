@@ -40,6 +40,15 @@ AdamWScalars adamw_scalars(const AdamWHyper& h, int64_t step) {
   s.beta2 = static_cast<float>(h.beta2);
   s.one_minus_beta2 = static_cast<float>(1.0 - h.beta2);
   s.eps_hat = narrow(h.eps * bc2_sqrt, "eps: eps * sqrt(1 - beta2^step)");  // eps * sqrt(bc2)
+  if (h.eps > 0 && s.eps_hat == 0.0f) {
+    // NOTE: eps_hat is added to sqrt(v): where it is 0, an element with v = 0 steps by 0/0
+    // (NaN), where torch, adding eps after the division, leaves the element as it is
+    char shown[96];
+    std::snprintf(shown, sizeof shown, " = %g at step %lld", h.eps * bc2_sqrt, static_cast<long long>(step));
+    throw std::invalid_argument(std::string("eps: eps * sqrt(1 - beta2^step)") + shown +
+                                ", which rounds to 0 in float32: an element with a zero second moment would step "
+                                "by 0/0; use a larger eps");
+  }
   // -lr * sqrt(bc2) / bc1
   s.neg_step_size = narrow(-(h.lr * bc2_sqrt / bc1),
                            ("lr: the bias-corrected step size -lr * sqrt(1 - beta2^step) / (1 - beta1^step) at step " +

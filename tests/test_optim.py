@@ -141,6 +141,8 @@ def test_sign_sgd_accepts_large_values_whose_float32_constants_are_finite():
 @pytest.mark.parametrize("algorithm, group, words", [
     ("adamw", dict(lr=1e39), r"param_groups\[1\]\['lr'\] is 1e\+39, which overflows float32"),
     ("adamw", dict(eps=1e39), r"param_groups\[1\]\['eps'\] is 1e\+39, which overflows float32"),
+    ("adamw", dict(eps=5e-45), r"param_groups\[1\]\['eps'\] gives eps \* sqrt\(1 - beta2\) = 1.58e-46 at step 1, "
+                               r"which rounds to 0 in float32"),
     ("adamw", dict(weight_decay=1e42), r"param_groups\[1\]\['weight_decay'\] is 1e\+42, which overflows"),
     ("adamw", dict(lr=1e20, weight_decay=1e20), r"param_groups\[1\]\['weight_decay'\] gives 1 - lr \* weight_decay"),
     ("adamw", dict(lr=1e33, betas=(0.999999, 0.0)),

@@ -9,6 +9,7 @@ from __future__ import annotations
 import math
 import numbers
 import os
+import struct
 import threading
 from collections.abc import Iterable
 from dataclasses import dataclass
@@ -220,6 +221,14 @@ def _check_float32_constants(g: int, values: dict, algorithm: str) -> None:
         first = lr * math.sqrt(1.0 - values["beta2"]) / (1.0 - values["beta1"])
         check_float32(f"param_groups[{g}]['lr']", first,
                       "the bias-corrected step size lr * sqrt(1 - beta2) / (1 - beta1) of step 1")
+        # NOTE: the kernels add eps*sqrt(1 - beta2^t) to sqrt(v), smallest at t = 1; where a positive
+        # eps makes it 0 in float32, an element with v = 0 would step by 0/0 (NaN) where torch,
+        # adding eps after the division, leaves it
+        eps_hat = values["eps"] * math.sqrt(1.0 - values["beta2"])
+        if values["eps"] > 0 and struct.unpack("<f", struct.pack("<f", eps_hat))[0] == 0.0:
+            raise ValueError(f"param_groups[{g}]['eps'] gives eps * sqrt(1 - beta2) = {eps_hat:.3g} at step 1, which "
+                             "rounds to 0 in float32: the kernels add it to sqrt(v), so an element with a zero "
+                             "second moment would step by 0/0; use a larger eps")
 
 
 def read_hparams(param_groups, algorithm: str, *, bf16_moments: bool = False) -> list:

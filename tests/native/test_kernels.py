@@ -362,6 +362,8 @@ _ADAMW = dict(lr=1e-3, beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=0.01)
     ("sign_sgd_inverse", dict(lr=1e20, weight_decay=1e20), r"lr \* weight_decay .* overflows float32"),
     ("adamw", dict(_ADAMW, grad_scale=1e39), r"grad_scale is 1e\+39, which overflows float32"),
     ("adamw", dict(_ADAMW, eps=1e39), r"eps is 1e\+39, which overflows float32"),
+    # eps is a float32 subnormal; eps*sqrt(1 - beta2^t), which the kernel adds to sqrt(v), is 0 there
+    ("adamw", dict(_ADAMW, eps=5e-45), r"eps: eps \* sqrt\(1 - beta2\^step\) = .* at step \d, which rounds to 0"),
     ("adamw", dict(_ADAMW, lr=1e20, weight_decay=1e20), r"lr \* weight_decay .* overflows float32"),
     # lr fits float32; the bias-corrected step size lr*sqrt(1 - beta2^t)/(1 - beta1^t) does not
     ("adamw", dict(_ADAMW, lr=1e34, beta1=0.999999, beta2=0.0), r"lr: the bias-corrected step size .* overflows float32"),
@@ -369,7 +371,8 @@ _ADAMW = dict(lr=1e-3, beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=0.01)
 ])
 def test_hyperparameters_that_overflow_float32_are_refused_and_change_nothing(kernel, hyper, words):
     """Finite as doubles, but the kernels compute in float32: a value, or a constant the kernel
-    derives from it, that rounds to infinity there would make inf/NaN weights."""
+    derives from it, that rounds to infinity there would make inf/NaN weights; so would a
+    positive eps whose eps*sqrt(1 - beta2^t) rounds to 0 (0/0 where v = 0)."""
     args = _random_adamw_args([(16,), (3, 5), (7,)], seed=int.from_bytes(os.urandom(4), "little"))
     args["steps"] += 1  # an inverse step undoes a step >= 1
     before = _snapshot(args)
