@@ -543,10 +543,13 @@ class FullCPUOffloadOptimizer(WindowControls, torch.optim.Optimizer):
         watch_backward(lambda: None if (w := ref()) is None else w._backward_ended(gen),
                        lambda: None if (w := ref()) is None else w._backward_died(gen))
         self._proto.move(Phase.BACKWARD)
-        if new_window:
-            self._check_parameters()
-            self._warn_grads_left()
         if new_window or self._proto.final:
+            # NOTE: also before the window's last pass, whose chunks read each group's
+            # hyper-parameters by its index: groups changed between two passes would step them
+            # with another group's values
+            self._check_parameters()
+            if new_window:
+                self._warn_grads_left()
             # NOTE: also before the window's last pass: an edit between two passes is the
             # weight the step (run during that pass) updates, as in torch's step(); the same
             # for a step count written in place (a bad one raises here, before anything changes)

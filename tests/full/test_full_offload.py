@@ -327,6 +327,34 @@ def test_param_groups_changed_after_wrapping_are_refused_at_the_next_backward(ch
     off.close()
 
 
+MORE_CHANGED_GROUPS = {
+    **CHANGED_GROUPS,
+    "a group removed": lambda groups, new: groups.pop(),
+    "an empty group put first": lambda groups, new: groups.insert(0, {"params": []}),
+}
+
+
+@pytest.mark.parametrize("change", MORE_CHANGED_GROUPS)
+def test_param_groups_changed_between_two_passes_of_a_window_are_refused_before_the_last_one_steps(change):
+    """The parameters were checked only at a window's first pass: changed between two passes,
+    the last one stepped its chunks with another group's hyper-parameters, or its worker failed
+    with an IndexError, before step() said what was wrong. The last pass now refuses them,
+    before any chunk is stepped."""
+    model, opt = build("adamw")
+    off = FullCPUOffloadOptimizer(opt, grad_accum_steps=2, **SMALL)
+    step_with(model, off, 0)
+    x = torch.randn(2, 24, dtype=torch.bfloat16)
+    model(x).float().pow(2).mean().backward()
+    MORE_CHANGED_GROUPS[change](off.param_groups, nn.Parameter(torch.zeros(2)))
+    steps = [rec.step for rec in records_of(off)]
+    with pytest.raises(RuntimeError, match="param_groups no longer hold the parameters"):
+        model(x).float().pow(2).mean().backward()
+    assert [rec.step for rec in records_of(off)] == steps  # nothing stepped
+    with pytest.warns(RuntimeWarning):
+        off.zero_grad()
+    off.close()
+
+
 def test_worker_error_surfaces_with_names(monkeypatch):
     def boom(*args, **kwargs):
         raise ValueError("injected kernel failure")
