@@ -275,8 +275,12 @@ class StateStaging:
         return self.arrival + rest
 
     def _state_ids(self) -> set:
-        """id() of every value in the wrapped optimizer's state."""
-        return {id(value) for state in self.optimizer.state.values() for value in state.values()}
+        """id() of every value in the wrapped optimizer's state.
+
+        NOTE: torch's state may hold entries under keys other than parameters (a step count,
+        say), whose values need not be dicts; they stay where the optimizer keeps them."""
+        return {id(value) for state in self.optimizer.state.values() if isinstance(state, dict)
+                for value in state.values()}
 
     def _refuse_shared_storage(self, placed: set) -> None:
         """Raise (and refuse every later step) if the step just run made state tensors that share

@@ -77,6 +77,32 @@ def test_close_gives_the_optimizer_back_with_its_state_on_the_host():
         assert torch.equal(a, b)
 
 
+def test_state_under_a_key_that_is_not_a_parameter_stays_as_the_optimizer_keeps_it():
+    """torch's state may hold entries under keys other than parameters (its state_dict keeps
+    them): an optimizer counting its steps in ``self.state["global_step"]`` failed from the
+    second step on with "'int' object has no attribute 'values'"."""
+    class Counting(torch.optim.SGD):
+        @torch.no_grad()
+        def step(self, closure=None):
+            self.state["global_step"] = self.state.get("global_step", 0) + 1
+            self.state["scale"] = self.state.get("scale", torch.ones(())) * 0.9
+            return super().step(closure)
+
+    m1, data = model_and_data(seed=int(torch.randint(1 << 30, ())))
+    m2 = copy.deepcopy(m1)
+    plain = Counting(m1.parameters(), lr=0.1, momentum=0.9)
+    wrapped = StateOffloadOptimizer(Counting(m2.parameters(), lr=0.1, momentum=0.9))
+    train(m1, plain, data)
+    train(m2, wrapped, data)
+    for a, b in zip(m1.parameters(), m2.parameters()):
+        assert torch.equal(a, b)
+    want, got = plain.state_dict()["state"], wrapped.state_dict()["state"]
+    assert got["global_step"] == want["global_step"] == len(data)
+    assert torch.equal(got["scale"], want["scale"])
+    for key in range(4):
+        assert torch.equal(got[key]["momentum_buffer"], want[key]["momentum_buffer"])
+
+
 def test_replacing_the_state_resets_it_as_in_torch():
     """``opt.state = defaultdict(dict)`` (a reset, as torch allows) raised an AttributeError
     (a property without a setter). It replaces the wrapped optimizer's state: the next steps
