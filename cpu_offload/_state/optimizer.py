@@ -14,6 +14,8 @@
 
 from __future__ import annotations
 
+import functools
+
 import torch
 
 from cpu_offload._common.checks import check_int
@@ -129,26 +131,21 @@ class StateOffloadOptimizer(torch.optim.Optimizer):
         self._staging.discard_prefetched()
         self.optimizer.state = value
 
-    def step(self, closure=None):
+    def step(self, *args, **kwargs):
         """Copy in the state not yet on the device, run the wrapped optimizer's
         step, start the copies back to the host.
 
-        A ``closure`` goes to the wrapped optimizer's step, which calls it when it needs
-        to (LBFGS: several times; its backward then runs with the state on the device)."""
+        The arguments go to the wrapped optimizer's step as they were passed (its step hooks
+        see a ``closure=`` as a keyword); it calls a closure when it needs to (LBFGS: several
+        times; its backward then runs with the state on the device)."""
         self._check_open("step()")
         result = []
         step = step_without_global_hooks(self.optimizer)
-        if closure is None:
-            self._staging.run_step(lambda: result.append(step()))
-        else:
-            # NOTE: the step defers Ctrl-C (staging.run_step); the user's closure, which may block
-            # (a data fetch, a collective), is interrupted at once, and the step recovers from
-            # its KeyboardInterrupt as from any exception the closure raises.
-            def interruptible_closure():
-                with interruptible():
-                    return closure()
-
-            self._staging.run_step(lambda: result.append(step(interruptible_closure)))
+        if args:
+            args = (_interruptible(args[0]), *args[1:])
+        elif "closure" in kwargs:
+            kwargs = {**kwargs, "closure": _interruptible(kwargs["closure"])}
+        self._staging.run_step(lambda: result.append(step(*args, **kwargs)))
         return result[0]
 
     def stats(self) -> dict:
@@ -232,3 +229,19 @@ class StateOffloadOptimizer(torch.optim.Optimizer):
 
     def __repr__(self) -> str:
         return f"StateOffloadOptimizer({self.optimizer!r})"
+
+
+def _interruptible(closure):
+    """``closure`` (None stays None), run where a Ctrl-C is raised at once.
+
+    NOTE: the step defers Ctrl-C (staging.run_step); the user's closure, which may block (a
+    data fetch, a collective), is interrupted at once, and the step recovers from its
+    KeyboardInterrupt as from any exception the closure raises."""
+    if closure is None:
+        return None
+
+    @functools.wraps(closure)
+    def interruptible_closure(*args, **kwargs):
+        with interruptible():
+            return closure(*args, **kwargs)
+    return interruptible_closure

@@ -160,6 +160,50 @@ def test_step_with_a_closure_equals_the_wrapped_optimizer_bitwise(make):
             assert torch.equal(a, b)
 
 
+@pytest.mark.parametrize("how", ["positional", "keyword", "none", "keyword None"])
+def test_the_wrapped_optimizers_step_hooks_see_the_closure_as_it_was_passed(how):
+    """The closure of ``opt.step(closure=c)`` reached the wrapped optimizer's step, and its
+    step pre-hooks, as a positional argument: a hook that wraps ``kwargs["closure"]`` (here,
+    halving the gradients it makes) was skipped, silently, and training differed from torch."""
+    def run(wrap):
+        m, data = model_and_data()
+        inner = torch.optim.SGD(m.parameters(), lr=0.1, momentum=0.9)
+        seen = []
+
+        def pre_hook(opt, args, kwargs):
+            seen.append((len(args), sorted(kwargs), kwargs.get("closure", 0) is None))
+            if kwargs.get("closure") is not None:
+                user = kwargs["closure"]
+
+                def halved():
+                    loss = user()
+                    for p in m.parameters():
+                        p.grad.mul_(0.5)
+                    return loss
+                return args, {**kwargs, "closure": halved}
+        inner.register_step_pre_hook(pre_hook)
+        opt = StateOffloadOptimizer(inner) if wrap else inner
+        for x in data[:3]:
+            def closure(x=x):
+                opt.zero_grad()
+                loss = m(x).pow(2).mean()
+                loss.backward()
+                return loss
+            if how == "positional":
+                opt.step(closure)
+            elif how == "keyword":
+                opt.step(closure=closure)
+            else:
+                closure()
+                opt.step() if how == "none" else opt.step(closure=None)
+        return [p.detach().clone() for p in m.parameters()], seen
+
+    (want, want_seen), (got, got_seen) = run(False), run(True)
+    assert got_seen == want_seen
+    for a, b in zip(want, got):
+        assert torch.equal(a, b)
+
+
 def test_state_dict_round_trip_and_scheduler():
     m1, data = model_and_data()
     opt = StateOffloadOptimizer(SignSGD(m1.parameters(), lr=1e-2, weight_decay=0.01))
