@@ -162,8 +162,14 @@ class StateOffloadOptimizer(torch.optim.Optimizer):
         self._staging.reset_window()
 
     def add_param_group(self, param_group) -> None:
+        groups = self.optimizer.param_groups
+        count = len(groups)
         self.optimizer.add_param_group(param_group)
-        self._staging.hook_params()
+        try:
+            self._staging.hook_params()
+        except BaseException:
+            del groups[count:]  # NOTE: refused: the wrapped optimizer is left as it was
+            raise
 
     def state_dict(self) -> dict:
         """The wrapped optimizer's state_dict (its tensors are the host buffers),

@@ -129,12 +129,16 @@ class StateStaging:
         groups, parameters unfrozen since)."""
         if self.closed:
             return
-        hook = None
-        for group in self.optimizer.param_groups:
-            for p in group["params"]:
-                if p.requires_grad and id(p) not in self.handles:
-                    hook = hook or _on_grad(weakref.ref(self))
-                    self.handles[id(p)] = p.register_post_accumulate_grad_hook(hook)
+        new = [(g, i, p) for g, group in enumerate(self.optimizer.param_groups)
+               for i, p in enumerate(group["params"]) if p.requires_grad and id(p) not in self.handles]
+        for g, i, p in new:  # NOTE: all checked before any is hooked
+            if not p.is_leaf:
+                raise ValueError(f"param_groups[{g}][{i}] is not a leaf tensor (torch's optimizers take those with "
+                                 "differentiable=True): offload=\"optimizer\" follows each gradient with a hook torch "
+                                 "allows on leaf tensors only; use offload=\"none\"")
+        hook = _on_grad(weakref.ref(self)) if new else None
+        for _, _, p in new:
+            self.handles[id(p)] = p.register_post_accumulate_grad_hook(hook)
 
     def grad_ready(self, p: torch.Tensor) -> None:
         """Gradient hook: prefetch ``p``'s state during the window's last backward."""

@@ -103,6 +103,25 @@ def test_state_under_a_key_that_is_not_a_parameter_stays_as_the_optimizer_keeps_
         assert torch.equal(got[key]["momentum_buffer"], want[key]["momentum_buffer"])
 
 
+def test_a_parameter_that_is_not_a_leaf_is_refused_by_name_and_add_param_group_adds_nothing():
+    """torch's optimizers take non-leaf parameters with differentiable=True. The wrapper failed on
+    them with torch's "post accumulate grad hooks cannot be registered on non-leaf tensors", and
+    add_param_group had added the group first: every later step raised the same."""
+    leaf = nn.Parameter(torch.randn(3))
+    computed = torch.randn(3, requires_grad=True) * 2
+    with pytest.raises(ValueError, match=r"param_groups\[0\]\[1\] is not a leaf tensor.*offload=\"none\""):
+        StateOffloadOptimizer(torch.optim.SGD([leaf, computed], lr=0.1, differentiable=True))
+    inner = torch.optim.SGD([leaf], lr=0.1, differentiable=True)
+    wrapped = StateOffloadOptimizer(inner)  # the failed construction above did not keep it
+    with pytest.raises(ValueError, match=r"param_groups\[1\]\[0\] is not a leaf tensor"):
+        wrapped.add_param_group({"params": [computed]})
+    assert len(wrapped.param_groups) == len(inner.param_groups) == 1
+    leaf.grad = torch.ones(3)
+    for opt in (torch.optim.SGD([leaf], lr=0.1, differentiable=True), wrapped):  # the next step is torch's
+        with pytest.raises(RuntimeError, match="a leaf Variable that requires grad is being used in an in-place"):
+            opt.step()
+
+
 def test_replacing_the_state_resets_it_as_in_torch():
     """``opt.state = defaultdict(dict)`` (a reset, as torch allows) raised an AttributeError
     (a property without a setter). It replaces the wrapped optimizer's state: the next steps
