@@ -145,6 +145,25 @@ def test_a_state_offload_optimizer_over_parameters_full_offload_drives_is_refuse
     state.close()
     offload_optimizer(torch.optim.AdamW(model.parameters()), offload="full").close()
 
+@pytest.mark.filterwarnings("ignore:Complex modules are a new feature")
+@pytest.mark.parametrize("dtype, words", [
+    (torch.float64, r"param_groups\[0\]\[0\] is float64: full offload steps fp32 masters.*model.float\(\)"),
+    (torch.complex64, r"param_groups\[0\]\[0\] has dtype torch.complex64; full offload needs floating-point"),
+])
+def test_full_offload_refuses_parameters_it_would_not_step_as_torch_does(dtype, words):
+    """A float64 model was wrapped without a word: its parameters cast to bf16, their masters
+    rounded to float32 and every step computed in float32, where torch's AdamW steps in float64.
+    It is refused at construction, the model left as it was, as complex parameters are."""
+    torch.manual_seed(int(torch.randint(1 << 30, ())))
+    model = nn.Linear(8, 4).to(dtype)
+    before = [p.detach().clone() for p in model.parameters()]
+    with pytest.raises(TypeError, match=words):
+        offload_optimizer(torch.optim.AdamW(model.parameters()), offload="full")
+    for a, b in zip(before, model.parameters()):
+        assert b.dtype == dtype and torch.equal(a, b)
+    offload_optimizer(torch.optim.AdamW(model.parameters()), offload="optimizer").close()  # that mode takes them
+
+
 def test_a_torch_optimizer_stepping_parameters_full_offload_drives_is_refused():
     """A plain torch optimizer (or an offload="optimizer" wrapper that gained them through
     add_param_group) over parameters a live full-offload optimizer drives never saw their

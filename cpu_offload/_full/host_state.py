@@ -183,6 +183,10 @@ def collect_records(optimizer: torch.optim.Optimizer) -> tuple[list[ParamRecord]
                 continue
             if not p.is_floating_point():
                 raise TypeError(f"parameter {name} has dtype {p.dtype}; full offload needs floating-point parameters")
+            if p.dtype == torch.float64:
+                raise TypeError(f"parameter {name} is float64: full offload steps fp32 masters, which would round its "
+                                "values, in float32, where torch steps it in float64; convert the model with "
+                                "model.float() first, or use offload=\"optimizer\"")
             loc = local_of(p)
             if loc.is_meta:
                 raise ValueError(f"parameter {name} is on the meta device and has no values: materialize the model "
