@@ -22,8 +22,9 @@ so that call works as on flat views. The accessors are torch.Tensor's own, calle
 __torch_function__ off, so a subclass or a mode cannot misreport a tensor's memory, and the
 lists are snapshotted, so their tensors live until the kernel returns. Outside the
 guarantee, as for torch's own ops: changing a tensor from another thread while a call on it
-runs, and a storage shrunk under a live tensor (``untyped_storage().resize_``) and
-reallocated at its old address. The cache holds weak references only; ``clear_cache()`` is
+runs, a storage shrunk under a live tensor (``untyped_storage().resize_``) and
+reallocated at its old address, and memory the process may not write (a read-only NumPy
+array or memmap, ``bytes``: torch warns that writing such a tensor is undefined). The cache holds weak references only; ``clear_cache()`` is
 never needed for correctness.
 """
 from __future__ import annotations

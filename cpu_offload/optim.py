@@ -86,11 +86,18 @@ class SignSGD(Optimizer):
                     raise TypeError(f"SignSGD steps floating-point parameters and gradients; param_groups[{g}][{i}] "
                                     f"is {p.dtype} with a {p.grad.dtype} gradient")
         for group in self.param_groups:
-            lr, wd = group["lr"], group["weight_decay"]
+            # NOTE: as Python floats (doubles), as the kernel takes them: 1 - lr*wd computed in a
+            # numpy float32 lr's own precision could round to another float32 than the kernel's
+            lr, wd = float(group["lr"]), float(group["weight_decay"])
             for p in group["params"]:
                 if p.grad is None:
                     continue
                 if wd > 0:
                     p.mul_(1.0 - lr * wd)
                 p.add_(torch.sign(p.grad), alpha=-lr)
+                # NOTE: SignSGD keeps no state; a step count loaded with a full-offload checkpoint
+                # advances, so that the masters carried beside it ("master_step") read as stale
+                counted = self.state.get(p)
+                if counted and "step" in counted:
+                    counted["step"] = counted["step"] + 1  # NOTE: a new tensor: the loaded dict keeps its own
         return loss

@@ -1,8 +1,10 @@
 # cpu_offload.SignSGD (a torch optimizer) equals the native sign_sgd kernel bit for bit; it
 # refuses a bad lr or weight_decay in any param group, and so does full offload's
 # read_hparams, values whose float32 constants overflow included.
+import numpy as np
 import pytest
 import torch
+import torch.nn as nn
 
 from cpu_offload import SignSGD, kernels
 from cpu_offload._full.options import read_hparams
@@ -95,6 +97,24 @@ def test_sign_sgd_refuses_bad_groups_added_loaded_or_edited_later():
     opt.param_groups[1]["weight_decay"] = 0.0
     opt.step()
     assert torch.equal(p.detach(), torch.full((3,), -0.5))
+
+
+@pytest.mark.parametrize("number", [np.float32, np.float16, float])
+def test_sign_sgd_with_numpy_hyperparameters_equals_the_kernel_bitwise(number):
+    """With lr and weight_decay given as numpy float32 (or float16) scalars, SignSGD computed
+    1 - lr*wd in that precision, where the kernel (and so full offload) computes it in double
+    and rounds once: about one pair in five stepped to other bits."""
+    g = torch.Generator().manual_seed(int(torch.randint(1 << 30, ())))
+    for _ in range(40):
+        lr, wd = (number(float(v)) for v in torch.rand(2, generator=g, dtype=torch.float64) * torch.tensor([1.0, 0.5]))
+        p = torch.randn(64, generator=g)
+        grad = torch.randn(64, generator=g)
+        flat = p.clone()
+        param = nn.Parameter(p.clone())
+        param.grad = grad.clone()
+        SignSGD([param], lr=lr, weight_decay=wd).step()
+        kernels.sign_sgd_step([flat], [grad], lr=lr, weight_decay=wd)
+        assert torch.equal(param.detach(), flat), (lr, wd)
 
 
 def test_sign_sgd_refuses_a_sparse_gradient_before_any_parameter_steps():

@@ -205,6 +205,45 @@ def test_masters_carried_through_an_optimizer_that_does_not_step_them_are_not_lo
     full.close()
 
 
+def test_signsgd_masters_carried_through_a_plain_signsgd_are_not_loaded():
+    """The same through a plain cpu_offload.SignSGD, which kept the entries' "step" as loaded:
+    "master_step" still matched it, so the masters of the first save replaced the weights and
+    the plain phase's steps were undone, silently. SignSGD now advances a step count it holds."""
+    torch.manual_seed(int(torch.randint(1 << 30, ())))
+    model = Net()
+    opt = cpu_offload.offload_optimizer(cpu_offload.SignSGD(model.parameters(), lr=1e-2, weight_decay=0.1),
+                                        offload="full", **SMALL)
+    train(model, opt, range(2))
+    saved = through_torch_save(opt.state_dict())
+    opt.close()
+    model.float()
+    with torch.no_grad():
+        for p, entry in zip(model.parameters(), saved["state"].values()):
+            p.copy_(entry["master"].view(p.shape))
+    plain = cpu_offload.SignSGD(model.parameters(), lr=1e-2, weight_decay=0.1)
+    plain.load_state_dict(saved)
+    for s in range(2, 5):
+        x = torch.randn(16, 24, generator=torch.Generator().manual_seed(s))
+        model(x, s).pow(2).mean().backward()
+        plain.step()
+        plain.zero_grad()
+    carried = through_torch_save(plain.state_dict())
+    weights = [p.detach().clone() for p in model.parameters()]
+    full = cpu_offload.offload_optimizer(cpu_offload.SignSGD(model.parameters(), lr=1e-2, weight_decay=0.1),
+                                         offload="full", **SMALL)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        full.load_state_dict(carried)
+    for rec, w in zip(records_of(full), weights):
+        assert torch.equal(rec.master, w.reshape(-1)), rec.name
+    steps = [(int(saved["state"][rec.index]["step"]), int(carried["state"][rec.index]["step"]), rec.step)
+             for rec in records_of(full)]
+    assert all(carried_step == loaded for _, carried_step, loaded in steps)
+    assert any(carried_step > saved_step for saved_step, carried_step, _ in steps)  # the plain phase counted
+    assert any(re.search(r"masters of \[.*\] were saved at step 2, .* step count is 5", str(w.message)) for w in caught)
+    full.close()
+
+
 def test_a_partial_load_that_leaves_the_masters_keeps_the_weights_loaded_before():
     """torch.distributed.checkpoint with allow_partial_load fills a state_dict() template in
     place: from a plain AdamW checkpoint the steps and moments load, the masters stay the
