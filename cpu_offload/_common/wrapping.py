@@ -170,46 +170,45 @@ def step_without_global_hooks(optimizer: torch.optim.Optimizer) -> Callable:
 
 
 _global_hooks_lock = threading.Lock()
-_skipped: "weakref.WeakSet" = weakref.WeakSet()  # optimizers whose global step hooks are skipped now
+_skipping = threading.local()  # .optimizers: those whose global step hooks this thread skips now
 
 
 @contextmanager
 def _global_step_hooks_skipped_for(optimizer: torch.optim.Optimizer):
-    """Skip torch's global step hooks for ``optimizer`` (only) while the block runs.
+    """Skip torch's global step hooks for ``optimizer`` (only) while the block runs on this thread.
 
     NOTE: torch calls every hook in ``_global_optimizer_pre_hooks`` / ``_post_hooks`` with the
-    optimizer stepping; each is replaced, in place under its own key (so its handle still
-    removes it), by a filter that skips ``optimizer``. The filters go in when the first such
-    block starts and come out when the last one ends, so other optimizers (other threads)
-    keep their hooks throughout."""
+    optimizer stepping. The first such block after a hook was registered wraps it, in place
+    under its own key (so its handle still removes it), in a filter that skips the optimizers
+    this thread steps inside such a block and runs it for any other. Filters stay: writing the
+    hooks back could put back one that another thread removed meanwhile; for the same reason a
+    hook is wrapped only if its key still holds it once its filter is made."""
     from torch.optim import optimizer as torch_optimizer
-    tables = (torch_optimizer._global_optimizer_pre_hooks, torch_optimizer._global_optimizer_post_hooks)
     with _global_hooks_lock:
-        if not _skipped:
-            for table in tables:
-                for key, hook in list(table.items()):
-                    table[key] = _SkipFiltered(hook)
-        _skipped.add(optimizer)
+        for table in (torch_optimizer._global_optimizer_pre_hooks, torch_optimizer._global_optimizer_post_hooks):
+            for key, hook in list(table.items()):
+                if not isinstance(hook, _SkipFiltered):
+                    filtered = _SkipFiltered(hook)
+                    if table.get(key) is hook:
+                        table[key] = filtered
+    skipped = _skipping.__dict__.setdefault("optimizers", [])
+    skipped.append(optimizer)
     try:
         yield
     finally:
-        with _global_hooks_lock:
-            _skipped.discard(optimizer)
-            if not _skipped:
-                for table in tables:
-                    for key, hook in list(table.items()):
-                        if isinstance(hook, _SkipFiltered):
-                            table[key] = hook.hook
+        skipped.pop()
 
 
 class _SkipFiltered:
-    """A global step hook that does not run for the optimizers in ``_skipped``."""
+    """A global step hook that does not run for the optimizers this thread skips now."""
 
     def __init__(self, hook):
         self.hook = hook
 
     def __call__(self, optimizer, args, kwargs):
-        return None if optimizer in _skipped else self.hook(optimizer, args, kwargs)
+        if any(o is optimizer for o in getattr(_skipping, "optimizers", ())):
+            return None
+        return self.hook(optimizer, args, kwargs)
 
 
 def refuse_copy(wrapper) -> None:

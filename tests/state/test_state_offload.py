@@ -485,6 +485,40 @@ def test_global_step_hooks_run_once_a_step_around_a_step_patched_on_the_wrapped_
                              ("post", "StateOffloadOptimizer")] * 3
 
 
+def test_a_global_step_hook_removed_while_a_patched_step_wraps_it_stays_removed(monkeypatch):
+    """For a step patched on the wrapped optimizer, the global hooks were replaced by filters and
+    written back after it: a hook whose handle another thread removed in between came back, for
+    good, and ran at every later step of every optimizer."""
+    from torch.optim.optimizer import _global_optimizer_pre_hooks, register_optimizer_step_pre_hook
+
+    from cpu_offload._common import wrapping
+
+    calls = []
+
+    def hook(opt, args, kwargs):
+        calls.append(type(opt).__name__)
+    handle = register_optimizer_step_pre_hook(hook)
+
+    class RemovedMeanwhile(wrapping._SkipFiltered):
+        def __init__(self, wrapped):
+            super().__init__(wrapped)
+            if wrapped is hook:
+                handle.remove()  # as another thread may, between a read of the table and a write to it
+    monkeypatch.setattr(wrapping, "_SkipFiltered", RemovedMeanwhile)
+    model, data = model_and_data()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    hooked = opt.step
+    opt.step = lambda *args, **kwargs: hooked(*args, **kwargs)
+    wrapped = StateOffloadOptimizer(opt)
+    train(model, wrapped, data[:2])
+    monkeypatch.undo()
+    calls.clear()
+    train(model, wrapped, data[2:4])
+    train(model, torch.optim.SGD(model.parameters(), lr=0.1), data[4:])
+    assert calls == []
+    assert all(getattr(h, "hook", h) is not hook for h in _global_optimizer_pre_hooks.values())
+
+
 def test_param_groups_assigned_to_the_wrapper_are_the_ones_the_step_reads():
     """A new param_groups list (new dicts, another lr) assigned to the wrapper (as accelerate's
     AcceleratedOptimizer.param_groups setter does) reached the wrapper only: the wrapped
