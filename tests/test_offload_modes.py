@@ -165,8 +165,8 @@ def test_full_offload_refuses_parameters_it_would_not_step_as_torch_does(dtype, 
 
 
 def test_a_torch_optimizer_stepping_parameters_full_offload_drives_is_refused():
-    """A plain torch optimizer (or an offload="optimizer" wrapper that gained them through
-    add_param_group) over parameters a live full-offload optimizer drives never saw their
+    """A plain torch optimizer (the one full offload wraps too, or an offload="optimizer" wrapper
+    that gained them through add_param_group) over parameters a live full-offload optimizer drives never saw their
     gradients, which full offload's hooks take during backward: its step() silently left
     them as they were. Its step() is refused before anything changes, naming the parameter;
     the full-offload optimizer's own step, and any once it is closed, go on."""
@@ -182,6 +182,8 @@ def test_a_torch_optimizer_stepping_parameters_full_offload_drives_is_refused():
     other(torch.randn(3, 2)).pow(2).mean().backward()
     with pytest.raises(RuntimeError, match=r"param_groups\[0\]\[0\] is driven by a live FullCPUOffloadOptimizer"):
         plain.step()
+    with pytest.raises(RuntimeError, match=r"the torch optimizer a live FullCPUOffloadOptimizer wraps.*step that one"):
+        opt.step()  # the wrapped AdamW itself, which shares its param_groups with the wrapper
     before = [p.detach().clone() for p in other.parameters()]
     with pytest.raises(RuntimeError, match=r"param_groups\[1\]\[0\] is driven by a live FullCPUOffloadOptimizer"):
         state.step()

@@ -96,8 +96,9 @@ def check_not_full_offloaded(param_groups) -> None:
 
 def _refuse_other_optimizers_step(optimizer, args, kwargs) -> None:
     """Global step pre-hook: an optimizer other than the full-offload one (or a proxy sharing
-    its ``param_groups``: Lightning's, accelerate's) stepping a parameter that full offload
-    drives raises before anything changes: it would never see that parameter's gradient.
+    its ``param_groups``: Lightning's, accelerate's; not the torch optimizer it wraps) stepping
+    a parameter that full offload drives raises before anything changes: it would never see
+    that parameter's gradient.
 
     NOTE: installed when this module is imported; while no parameter is owned it returns at
     once, and for the owner it returns at the first owned parameter."""
@@ -108,6 +109,11 @@ def _refuse_other_optimizers_step(optimizer, args, kwargs) -> None:
         for p in group["params"]:
             owner = owner_of(p)
             if owner is not None:
+                if optimizer is getattr(owner, "optimizer", None):  # NOTE: it shares the groups; never stepped
+                    raise RuntimeError(f"step() of the torch optimizer a live {type(owner).__name__} wraps: full "
+                                       "offload takes its gradients during backward and steps them on the host, "
+                                       "so this step would never see one; step that one (offload_optimizer()'s "
+                                       "result) instead")
                 if owner.param_groups is groups:
                     return None
                 check_not_full_offloaded(groups)
