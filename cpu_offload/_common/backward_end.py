@@ -14,8 +14,8 @@
 # A backward that died leaves its owner something to recover, best before the
 # next forward reads the weights the recovery writes (else autograd finds them
 # changed in place, or the forward read stale ones): ``NextForwardHook``, armed
-# by the owner when its backward dies, calls it before any module forward outside
-# a backward.
+# by the owner when its backward dies, hands it every module about to run its
+# forward outside a backward (the owner looks for its own parameters there).
 #
 # Scope: the signal and that hook. Non-goals: what the owner does with them
 # (optimizer.py).
@@ -127,17 +127,17 @@ def watch_backward(on_end: Callable[[], None], on_died: Callable[[], None]) -> N
 
 
 class NextForwardHook:
-    """A process-wide module forward pre-hook, registered while armed, that calls ``fn()``
-    before each module forward run outside a backward (a recompute inside one does not
-    count). ``fn`` decides whether there is anything to do. ``remove()`` disarms it, so it
-    can sit among a wrapper's hook handles."""
+    """A process-wide module forward pre-hook, registered while armed, that calls
+    ``fn(module)`` before each module forward run outside a backward (a recompute inside one
+    does not count), on any thread. ``fn`` decides whether there is anything to do.
+    ``remove()`` disarms it, so it can sit among a wrapper's hook handles."""
 
-    def __init__(self, fn: Callable[[], None]) -> None:
+    def __init__(self, fn: Callable[[torch.nn.Module], None]) -> None:
         self._fn, self._handle = fn, None
 
     def _pre_hook(self, module, args) -> None:
         if outside_backward():
-            self._fn()
+            self._fn(module)
 
     def arm(self) -> None:
         if self._handle is None:

@@ -421,7 +421,7 @@ class FullCPUOffloadOptimizer(WindowControls, torch.optim.Optimizer):
                         wait=lambda recs, fsdp: None if (w := ref()) is None else w._await_weights(recs, fsdp),
                         land=lambda: None if (w := ref()) is None else w.wait_for_weights()))
                 self._next_forward = NextForwardHook(
-                    lambda: None if (w := ref()) is None else w._recover_before_forward())
+                    lambda module: None if (w := ref()) is None else w._recover_before_forward(module))
                 handles.append(self._next_forward)
                 self._finalizer = weakref.finalize(self, _shutdown, records, self._pipeline, transfer, handles, trace,
                                                    self._pid, self._proto)
@@ -616,25 +616,31 @@ class FullCPUOffloadOptimizer(WindowControls, torch.optim.Optimizer):
             self._next_forward.arm()
             self._proto.died = gen
 
-    def _recover_before_forward(self) -> None:
-        """A module forward while a backward that died is not yet recovered: recover first.
-        Later (at the next backward's first gradient) the recovery would write weights the
-        forward already read: autograd then raises that they changed in place."""
-        if self._proto.died_unrecovered():
+    def _recover_before_forward(self, module: torch.nn.Module) -> None:
+        """The forward of a module holding one of this optimizer's parameters while a backward
+        that died is not yet recovered: recover first. Later (at the next backward's first
+        gradient) the recovery would write weights the forward already read: autograd then
+        raises that they changed in place. Another module's forward (another model's, on
+        any thread) leaves it to this optimizer's next call or its own model's forward."""
+        if self._proto.died_unrecovered() and any(ownership.owner_of(p) is self for p in module.parameters()):
             self._settle()
 
     def _settle(self, *, in_backward: bool = False) -> None:
-        """Recover from a backward that raised; raise a pending worker failure once."""
+        """Recover from a backward that raised; raise a pending worker failure once.
+
+        NOTE: under the protocol's lock, the phase read again there: two threads (a call
+        beside a forward) would both find the window unrecovered and both recover it."""
         proto = self._proto
-        if proto.died_unrecovered() or (proto.phase is Phase.BACKWARD and not in_backward and outside_backward()):
-            self._proto.move(Phase.ABORTED)
-            self._recover()
-        err = self._pipeline.take_error()
-        if err is not None:
-            if not in_backward and self._proto.phase in (Phase.ACCUMULATING, Phase.APPLIED):
-                self._proto.move(Phase.ABORTED)
-                self._recover(quiet=True)
-            raise err
+        with proto.lock:
+            if proto.died_unrecovered() or (proto.phase is Phase.BACKWARD and not in_backward and outside_backward()):
+                proto.move(Phase.ABORTED)
+                self._recover()
+            err = self._pipeline.take_error()
+            if err is not None:
+                if not in_backward and proto.phase in (Phase.ACCUMULATING, Phase.APPLIED):
+                    proto.move(Phase.ABORTED)
+                    self._recover(quiet=True)
+                raise err
 
     def _recover(self, *, quiet: bool = False) -> list:
         """ABORTED -> IDLE: finish what was staged, count what was stepped, drop the rest;

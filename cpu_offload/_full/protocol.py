@@ -26,7 +26,9 @@
 from __future__ import annotations
 
 import enum
+import threading
 from dataclasses import dataclass, field
+from typing import Any
 
 __all__ = ["Phase", "TRANSITIONS", "ProtocolError", "ProtocolState"]
 
@@ -97,6 +99,8 @@ class ProtocolState:
     # APPLIED: the window's new weights are on the device and noted (window.land_window), so
     # a version change seen by step() is the user's (always so without overlap_forward).
     landed: bool = False
+    # recovering a window that a backward left (optimizer._settle): one thread at a time
+    lock: Any = field(default_factory=threading.RLock)
 
     def died_unrecovered(self) -> bool:
         """The watched backward raised in its window and nothing has recovered it yet. NOTE:
