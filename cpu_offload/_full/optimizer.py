@@ -408,6 +408,7 @@ class FullCPUOffloadOptimizer(WindowControls, torch.optim.Optimizer):
                                                 stacklevel=_user_stacklevel)
                 self._pinned_bytes = d2h.nbytes + h2d.nbytes
                 self._pid = os.getpid()
+                self._owned_ids = frozenset(id(rec.param) for rec in records)
                 note_versions(records)
                 self._state = StateMapping(
                     records, frozen=frozen, guard=lambda what: None if (w := ref()) is None else w._check_idle(what),
@@ -617,12 +618,17 @@ class FullCPUOffloadOptimizer(WindowControls, torch.optim.Optimizer):
             self._proto.died = gen
 
     def _recover_before_forward(self, module: torch.nn.Module) -> None:
-        """The forward of a module holding one of this optimizer's parameters while a backward
-        that died is not yet recovered: recover first. Later (at the next backward's first
-        gradient) the recovery would write weights the forward already read: autograd then
-        raises that they changed in place. Another module's forward (another model's, on
-        any thread) leaves it to this optimizer's next call or its own model's forward."""
-        if self._proto.died_unrecovered() and any(ownership.owner_of(p) is self for p in module.parameters()):
+        """A module forward while a backward that died is not yet recovered: recover first.
+        Later (at the next backward's first gradient) the recovery would write weights the
+        forward already read: autograd then raises that they changed in place.
+
+        NOTE: any module's forward on the thread that last called this optimizer (or built it;
+        a functional model reads its weights through modules that hold none); on another
+        thread only that of a module holding one of its parameters: another model's forward
+        there leaves it. A forked child leaves the parent's window alone."""
+        if os.getpid() != self._pid or not self._proto.died_unrecovered():
+            return
+        if threading.get_ident() == self._proto.thread or any(id(p) in self._owned_ids for p in module.parameters()):
             self._settle()
 
     def _settle(self, *, in_backward: bool = False) -> None:
@@ -1203,6 +1209,7 @@ class FullCPUOffloadOptimizer(WindowControls, torch.optim.Optimizer):
         ownership.check_same_process(self._pid)
         if self._proto.phase is Phase.CLOSED:
             raise RuntimeError("this FullCPUOffloadOptimizer is closed")
+        self._proto.thread = threading.get_ident()
         self._settle()
         if land:
             self._land()

@@ -101,6 +101,7 @@ class ProtocolState:
     landed: bool = False
     # recovering a window that a backward left (optimizer._settle): one thread at a time
     lock: Any = field(default_factory=threading.RLock)
+    thread: int = field(default_factory=threading.get_ident)  # the thread of the last call (or construction)
 
     def died_unrecovered(self) -> bool:
         """The watched backward raised in its window and nothing has recovered it yet. NOTE:

@@ -272,10 +272,11 @@ def _died_in_backward(model, opt):
     assert opt._proto.died_unrecovered()
 
 
-def test_a_backward_that_raised_is_recovered_before_a_forward_of_its_own_model_only():
+def test_a_backward_that_raised_is_recovered_by_another_thread_only_before_a_forward_of_its_model():
     """The hook that recovers a backward that raised ran before any module's forward, on any
     thread: another thread's forward of its own module did this optimizer's recovery (and gave
-    its warning); racing with this thread's zero_grad(), one of them raised ProtocolError."""
+    its warning); racing with this thread's zero_grad(), one of them raised ProtocolError.
+    Another thread now recovers it only before the forward of a module holding its parameters."""
     torch.manual_seed(int.from_bytes(os.urandom(4), "little"))
     model = nn.Sequential(*[nn.Linear(16, 16) for _ in range(8)])
     opt = FullCPUOffloadOptimizer(torch.optim.AdamW(model.parameters(), lr=1e-2), **SMALL)
@@ -283,15 +284,79 @@ def test_a_backward_that_raised_is_recovered_before_a_forward_of_its_own_model_o
     _died_in_backward(model, opt)
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        other(torch.randn(2, 4))
         elsewhere = threading.Thread(target=lambda: other(torch.randn(2, 4)))
         elsewhere.start()
         elsewhere.join()
-    assert caught == [] and opt._proto.died_unrecovered()  # another module's forward leaves it
-    with pytest.warns(RuntimeWarning, match=r"backward pass 1 of 1 raised; 8 of 16 parameters"):
-        model(torch.randn(4, 16).bfloat16())
+        assert caught == [] and opt._proto.died_unrecovered()  # another model's forward there leaves it
+        elsewhere = threading.Thread(target=lambda: model[6](torch.randn(4, 16).bfloat16()))
+        elsewhere.start()
+        elsewhere.join()
+    assert len(caught) == 1 and re.search(r"backward pass 1 of 1 raised; 8 of 16 parameters", str(caught[0].message))
     assert phase_of(opt) is Phase.IDLE
     opt.close()
+
+
+def test_a_functional_model_is_recovered_before_its_forward_reads_the_weights():
+    """Weights in a ParameterList, read by a forward through modules that hold none of them:
+    with recovery only before the forward of a module holding them, nothing recovered first,
+    and the next backward found its saved weights rewritten (modified by an inplace
+    operation). A forward on the optimizer's own thread recovers first, whatever the module."""
+    torch.manual_seed(int.from_bytes(os.urandom(4), "little"))
+    weights = nn.ParameterList([nn.Parameter(torch.randn(16, 16) * 0.1) for _ in range(8)])
+    opt = FullCPUOffloadOptimizer(torch.optim.AdamW(weights.parameters(), lr=1e-2), **SMALL)
+    act = nn.GELU()
+
+    def run(x, layers):
+        for w in layers:
+            x = act(x @ w)
+        return x
+    Boom.armed = RuntimeError("injected")
+    with pytest.raises(RuntimeError, match="injected"):
+        run(Boom.apply(run(torch.randn(4, 16).bfloat16(), weights[:4])), weights[4:]).float().sum().backward()
+    with pytest.warns(RuntimeWarning, match=r"backward pass 1 of 1 raised; 4 of 8 parameters"):
+        out = run(torch.randn(4, 16).bfloat16(), weights)
+    out.float().sum().backward()
+    opt.step()
+    assert [r.step for r in records_of(opt)] == [1] * 4 + [2] * 4
+    opt.close()
+
+
+def test_a_forked_child_running_a_forward_leaves_the_parents_failed_backward_alone(tmp_path):
+    """A child forked while a backward that raised was unrecovered ran the recovery before its
+    first forward and waited, for good, for the parent's worker thread."""
+    import subprocess
+    import textwrap
+    script = tmp_path / "fork_forward.py"
+    script.write_text(textwrap.dedent("""
+        import os, signal, sys
+        import torch
+        from cpu_offload import offload_optimizer
+        torch.set_num_threads(1)
+        model = torch.nn.Sequential(torch.nn.Linear(16, 16), torch.nn.Linear(16, 16))
+        opt = offload_optimizer(torch.optim.AdamW(model.parameters()), offload="full")
+
+        class Boom(torch.autograd.Function):
+            forward = staticmethod(lambda ctx, x: x.view_as(x))
+            backward = staticmethod(lambda ctx, g: (_ for _ in ()).throw(RuntimeError("injected")))
+        try:
+            model[1](Boom.apply(model[0](torch.randn(4, 16, dtype=torch.bfloat16)))).float().sum().backward()
+        except RuntimeError:
+            pass
+        pid = os.fork()
+        if pid == 0:
+            signal.alarm(30)
+            model(torch.randn(4, 16, dtype=torch.bfloat16))
+            os._exit(0)
+        _, status = os.waitpid(pid, 0)
+        print(os.waitstatus_to_exitcode(status))
+        model(torch.randn(4, 16, dtype=torch.bfloat16)).float().sum().backward()  # the parent recovers, goes on
+        opt.step()
+        print(int(opt.state[model[1].weight]["step"]), int(opt.state[model[0].weight]["step"]))
+    """))
+    out = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=120,
+                         env={**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)})
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.split() == ["0", "2", "1"], (out.stdout, out.stderr)
 
 
 def test_two_threads_recovering_one_window_recover_it_once(monkeypatch):
