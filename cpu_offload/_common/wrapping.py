@@ -17,6 +17,7 @@ from contextlib import contextmanager
 from typing import Callable
 
 import torch
+from torch.optim import optimizer as torch_optimizer
 
 __all__ = ["adopt_optimizer", "check_not_offloaded", "release_optimizer", "state_dict_with_hooks",
            "load_state_dict_with_hooks", "step_without_global_hooks", "refuse_copy"]
@@ -183,7 +184,6 @@ def _global_step_hooks_skipped_for(optimizer: torch.optim.Optimizer):
     this thread steps inside such a block and runs it for any other. Filters stay: writing the
     hooks back could put back one that another thread removed meanwhile; for the same reason a
     hook is wrapped only if its key still holds it once its filter is made."""
-    from torch.optim import optimizer as torch_optimizer
     with _global_hooks_lock:
         for table in (torch_optimizer._global_optimizer_pre_hooks, torch_optimizer._global_optimizer_post_hooks):
             for key, hook in list(table.items()):
