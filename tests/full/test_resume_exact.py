@@ -170,34 +170,46 @@ def test_a_plain_adamw_checkpoint_loaded_before_wrapping_keeps_fp32_masters_with
     opt.close()
 
 
-def test_masters_carried_through_an_optimizer_that_does_not_step_them_are_not_loaded():
-    """A full-offload checkpoint resumed by a plain torch AdamW (HF Trainer resuming it without
-    offload): torch keeps the unknown "master" entries and saves them again, untouched, with
-    the steps it took. Loaded back into full offload, those stale masters replaced the weights:
-    every step of the plain phase undone, without a word. A master whose step count is not
-    the entry's is now left out, with a warning, and the weights give the masters."""
-    model, opt = fresh()
-    train(model, opt, range(3))
+def _carry_through_the_plain_optimizer(make_optimizer, full_steps, plain_steps):
+    """Train under full offload for ``full_steps``, save, resume with the plain optimizer
+    (``make_optimizer(params)``) on the saved masters for ``plain_steps``, and load its
+    checkpoint into full offload again. Returns (the full-offload save, the plain one, the
+    weights at the plain save, the new full-offload optimizer, the warnings of its load)."""
+    torch.manual_seed(int(torch.randint(1 << 30, ())))
+    model = Net()
+    opt = cpu_offload.offload_optimizer(make_optimizer(model.parameters()), offload="full", **SMALL)
+    train(model, opt, range(full_steps))
     saved = through_torch_save(opt.state_dict())
     opt.close()
     model.float()
     with torch.no_grad():
         for p, entry in zip(model.parameters(), saved["state"].values()):
             p.copy_(entry["master"].view(p.shape))
-    plain = torch.optim.AdamW(model.parameters(), **HP)
+    plain = make_optimizer(model.parameters())
     plain.load_state_dict(saved)
-    for s in range(3, 6):
+    for s in range(full_steps, full_steps + plain_steps):
         x = torch.randn(16, 24, generator=torch.Generator().manual_seed(s))
         model(x, s).pow(2).mean().backward()
         plain.step()
         plain.zero_grad()
     carried = through_torch_save(plain.state_dict())
-    assert all("master" in e for e in carried["state"].values())  # kept by torch, as saved at step 3
     weights = [p.detach().clone() for p in model.parameters()]
-    full = cpu_offload.offload_optimizer(torch.optim.AdamW(model.parameters(), **HP), offload="full", **SMALL)
+    full = cpu_offload.offload_optimizer(make_optimizer(model.parameters()), offload="full", **SMALL)
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         full.load_state_dict(carried)
+    return saved, carried, weights, full, caught
+
+
+def test_masters_carried_through_an_optimizer_that_does_not_step_them_are_not_loaded():
+    """A full-offload checkpoint resumed by a plain torch AdamW (HF Trainer resuming it without
+    offload): torch keeps the unknown "master" entries and saves them again, untouched, with
+    the steps it took. Loaded back into full offload, those stale masters replaced the weights:
+    every step of the plain phase undone, without a word. A master whose step count is not
+    the entry's is now left out, with a warning, and the weights give the masters."""
+    _, carried, weights, full, caught = _carry_through_the_plain_optimizer(
+        lambda params: torch.optim.AdamW(params, **HP), full_steps=3, plain_steps=3)
+    assert all("master" in e for e in carried["state"].values())  # kept by torch, as saved at step 3
     for rec, w in zip(records_of(full), weights):
         assert rec.step == int(carried["state"][rec.index]["step"])
         assert torch.equal(rec.master, w.reshape(-1)), rec.name  # the weights at the save, fp32
@@ -209,31 +221,8 @@ def test_signsgd_masters_carried_through_a_plain_signsgd_are_not_loaded():
     """The same through a plain cpu_offload.SignSGD, which kept the entries' "step" as loaded:
     "master_step" still matched it, so the masters of the first save replaced the weights and
     the plain phase's steps were undone, silently. SignSGD now advances a step count it holds."""
-    torch.manual_seed(int(torch.randint(1 << 30, ())))
-    model = Net()
-    opt = cpu_offload.offload_optimizer(cpu_offload.SignSGD(model.parameters(), lr=1e-2, weight_decay=0.1),
-                                        offload="full", **SMALL)
-    train(model, opt, range(2))
-    saved = through_torch_save(opt.state_dict())
-    opt.close()
-    model.float()
-    with torch.no_grad():
-        for p, entry in zip(model.parameters(), saved["state"].values()):
-            p.copy_(entry["master"].view(p.shape))
-    plain = cpu_offload.SignSGD(model.parameters(), lr=1e-2, weight_decay=0.1)
-    plain.load_state_dict(saved)
-    for s in range(2, 5):
-        x = torch.randn(16, 24, generator=torch.Generator().manual_seed(s))
-        model(x, s).pow(2).mean().backward()
-        plain.step()
-        plain.zero_grad()
-    carried = through_torch_save(plain.state_dict())
-    weights = [p.detach().clone() for p in model.parameters()]
-    full = cpu_offload.offload_optimizer(cpu_offload.SignSGD(model.parameters(), lr=1e-2, weight_decay=0.1),
-                                         offload="full", **SMALL)
-    with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always")
-        full.load_state_dict(carried)
+    saved, carried, weights, full, caught = _carry_through_the_plain_optimizer(
+        lambda params: cpu_offload.SignSGD(params, lr=1e-2, weight_decay=0.1), full_steps=2, plain_steps=3)
     for rec, w in zip(records_of(full), weights):
         assert torch.equal(rec.master, w.reshape(-1)), rec.name
     steps = [(int(saved["state"][rec.index]["step"]), int(carried["state"][rec.index]["step"]), rec.step)

@@ -397,10 +397,10 @@ def test_state_and_state_dict_wait_for_copies_to_the_host():
     assert log[2] == "all copies waited"  # before anything writes the host buffers
 
 
-def test_global_step_hooks_run_once_a_step_around_the_wrapper():
-    """torch runs each global step hook once per step(); they ran around the wrapper's step and
-    again around the wrapped optimizer's, so a hook that scales the gradients scaled them twice.
-    The wrapped optimizer's own step hooks still run, once, inside."""
+def _calls_under_global_step_hooks(prepare):
+    """Train plainly and wrapped, from one random seed, under a global step pre-hook that halves
+    every gradient and a post-hook; assert both give the same weights and return each run's
+    hook calls. ``prepare(opt, calls)`` edits the torch optimizer before it is wrapped."""
     from torch.optim.optimizer import register_optimizer_step_post_hook, register_optimizer_step_pre_hook
 
     def run(wrap):
@@ -416,9 +416,8 @@ def test_global_step_hooks_run_once_a_step_around_the_wrapper():
                    register_optimizer_step_post_hook(lambda o, a, k: calls.append(("post", type(o).__name__)))]
         try:
             model, data = model_and_data(seed=int(torch.randint(1 << 30, ())))
-            torch.manual_seed(0)
             opt = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1)
-            opt.register_step_pre_hook(lambda o, a, k: calls.append(("own pre", type(o).__name__)))
+            prepare(opt, calls)
             if wrap:
                 opt = StateOffloadOptimizer(opt)
             train(model, opt, data[:3])
@@ -434,6 +433,17 @@ def test_global_step_hooks_run_once_a_step_around_the_wrapper():
     wrapped, wrapped_calls = run(True)
     for a, b in zip(plain, wrapped):
         assert torch.equal(a, b)
+    return plain_calls, wrapped_calls
+
+
+def test_global_step_hooks_run_once_a_step_around_the_wrapper():
+    """torch runs each global step hook once per step(); they ran around the wrapper's step and
+    again around the wrapped optimizer's, so a hook that scales the gradients scaled them twice.
+    The wrapped optimizer's own step hooks still run, once, inside."""
+    def own_hook(opt, calls):
+        opt.register_step_pre_hook(lambda o, a, k: calls.append(("own pre", type(o).__name__)))
+
+    plain_calls, wrapped_calls = _calls_under_global_step_hooks(own_hook)
     assert plain_calls == [("pre", "AdamW"), ("own pre", "AdamW"), ("post", "AdamW")] * 3
     assert wrapped_calls == [("pre", "StateOffloadOptimizer"), ("own pre", "AdamW"),
                              ("post", "StateOffloadOptimizer")] * 3
@@ -443,43 +453,15 @@ def test_global_step_hooks_run_once_a_step_around_a_step_patched_on_the_wrapped_
     """A step patched on the wrapped optimizer's instance (``opt.step = counted(opt.step)``)
     was called as it was, and the hooked step it calls ran the global step hooks a second
     time inside the wrapper's step."""
-    from torch.optim.optimizer import register_optimizer_step_post_hook, register_optimizer_step_pre_hook
+    def patch_step(opt, calls):
+        hooked = opt.step
 
-    def run(wrap):
-        calls = []
+        def counted(*args, **kwargs):
+            calls.append(("patched", type(hooked.__self__).__name__))
+            return hooked(*args, **kwargs)
+        opt.step = counted
 
-        def pre(opt, args, kwargs):
-            calls.append(("pre", type(opt).__name__))
-            for group in opt.param_groups:
-                for p in group["params"]:
-                    p.grad.mul_(0.5)
-
-        handles = [register_optimizer_step_pre_hook(pre),
-                   register_optimizer_step_post_hook(lambda o, a, k: calls.append(("post", type(o).__name__)))]
-        try:
-            model, data = model_and_data(seed=int(torch.randint(1 << 30, ())))
-            opt = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1)
-            hooked = opt.step
-
-            def counted(*args, **kwargs):
-                calls.append(("patched", type(hooked.__self__).__name__))
-                return hooked(*args, **kwargs)
-            opt.step = counted
-            if wrap:
-                opt = StateOffloadOptimizer(opt)
-            train(model, opt, data[:3])
-        finally:
-            for handle in handles:
-                handle.remove()
-        return [p.detach().clone() for p in model.parameters()], calls
-
-    seed = int(torch.randint(1 << 30, ()))
-    torch.manual_seed(seed)
-    plain, plain_calls = run(False)
-    torch.manual_seed(seed)
-    wrapped, wrapped_calls = run(True)
-    for a, b in zip(plain, wrapped):
-        assert torch.equal(a, b)
+    plain_calls, wrapped_calls = _calls_under_global_step_hooks(patch_step)
     assert plain_calls == [("patched", "AdamW"), ("pre", "AdamW"), ("post", "AdamW")] * 3
     assert wrapped_calls == [("pre", "StateOffloadOptimizer"), ("patched", "AdamW"),
                              ("post", "StateOffloadOptimizer")] * 3

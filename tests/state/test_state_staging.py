@@ -361,28 +361,41 @@ def is_same(m1, plain, m2, wrapped) -> bool:
     return True
 
 
-@pytest.mark.parametrize("kind", ["adamw", "sgd_momentum"])
-def test_a_ctrl_c_at_any_line_of_step_takes_the_step_whole_or_not_at_all(sigint_raises, kind):
-    """Before, a Ctrl-C after the copy-out had pointed a state entry at its host buffer but
-    before the copy into it left the weights stepped and that parameter's moments as they
-    were, with nothing said."""
-    k, outcomes = 0, set()
+def ctrl_c_at_each_line(kind, interrupted, before=lambda m1, plain, m2, wrapped: None):
+    """For k = 1, 2, ...: a fresh pair trained alike for two steps, ``it = before(m1, plain, m2,
+    wrapped)`` run whole, then ``interrupted(wrapped, it)`` with a Ctrl-C at its k-th package
+    line. Yields (m1, plain, m2, wrapped, it) after each call the Ctrl-C stopped; ends with the
+    first call that ran to its end."""
+    k = 0
     while True:
         k += 1
         m1, plain, m2, wrapped = pair(kind)
         train(m1, plain, [0, 1])
         train(m2, wrapped, [0, 1])
+        it = before(m1, plain, m2, wrapped)
+        hit, raised = sigint_at_line(k, lambda w=wrapped, it=it: interrupted(w, it))
+        if not hit:
+            return
+        assert isinstance(raised, KeyboardInterrupt), (k, raised)
+        yield m1, plain, m2, wrapped, it
+
+
+@pytest.mark.parametrize("kind", ["adamw", "sgd_momentum"])
+def test_a_ctrl_c_at_any_line_of_step_takes_the_step_whole_or_not_at_all(sigint_raises, kind):
+    """Before, a Ctrl-C after the copy-out had pointed a state entry at its host buffer but
+    before the copy into it left the weights stepped and that parameter's moments as they
+    were, with nothing said."""
+    def backward_both(m1, plain, m2, wrapped):
         backward(m1, 2)
         backward(m2, 2)
-        hit, raised = sigint_at_line(k, wrapped.step)
-        if not hit:
-            break
-        assert isinstance(raised, KeyboardInterrupt), (k, raised)
+
+    outcomes = []
+    for m1, plain, m2, wrapped, _ in ctrl_c_at_each_line(kind, lambda w, _: w.step(), backward_both):
         if is_same(m1, plain, m2, wrapped):  # not taken: the gradients are still there to step on
-            outcomes.add("not taken")
+            outcomes.append("not taken")
             wrapped.step()
         else:
-            outcomes.add("whole")
+            outcomes.append("whole")
         plain.step()
         assert_same(m1, plain, m2, wrapped)
         plain.zero_grad()
@@ -390,63 +403,51 @@ def test_a_ctrl_c_at_any_line_of_step_takes_the_step_whole_or_not_at_all(sigint_
         train(m1, plain, [3])
         train(m2, wrapped, [3])
         assert_same(m1, plain, m2, wrapped)
-    assert k > 100 and outcomes == {"not taken", "whole"}
+    assert len(outcomes) > 100 and set(outcomes) == {"not taken", "whole"}
 
 
 def test_a_ctrl_c_at_any_line_of_load_state_dict_loads_all_or_nothing(sigint_raises):
     """Before, a Ctrl-C in the middle of the load left some parameters' state loaded and
     others not, with nothing said."""
-    k, outcomes = 0, set()
-    while True:
-        k += 1
-        m1, plain, m2, wrapped = pair("adamw")
-        train(m1, plain, [0, 1])
-        train(m2, wrapped, [0, 1])
+    def save_then_train(m1, plain, m2, wrapped):
         saved = copy.deepcopy(wrapped.state_dict())  # NOTE: copied per load: torch may adopt its tensors
         train(m1, plain, [2])
         train(m2, wrapped, [2])
-        hit, raised = sigint_at_line(k, lambda w=wrapped, s=saved: w.load_state_dict(copy.deepcopy(s)))
-        if not hit:
-            break
-        assert isinstance(raised, KeyboardInterrupt), (k, raised)
+        return saved
+
+    outcomes = []
+    for m1, plain, m2, wrapped, saved in ctrl_c_at_each_line(
+            "adamw", lambda w, saved: w.load_state_dict(copy.deepcopy(saved)), save_then_train):
         if is_same(m1, plain, m2, wrapped):  # untouched: load again
-            outcomes.add("untouched")
+            outcomes.append("untouched")
             wrapped.load_state_dict(copy.deepcopy(saved))
         else:
-            outcomes.add("loaded")
+            outcomes.append("loaded")
         plain.load_state_dict(copy.deepcopy(saved))
         assert_same(m1, plain, m2, wrapped)
         assert wrapped.param_groups is wrapped.optimizer.param_groups
         train(m1, plain, [3])
         train(m2, wrapped, [3])
         assert_same(m1, plain, m2, wrapped)
-    assert k > 100 and outcomes == {"untouched", "loaded"}
+    assert len(outcomes) > 100 and set(outcomes) == {"untouched", "loaded"}
 
 
 def test_a_ctrl_c_at_any_line_of_close_closes_whole_or_not_at_all(sigint_raises):
     """close() removes the hooks, releases the torch optimizer and its parameters: a Ctrl-C
     inside it leaves all of that done (a new wrapper takes the optimizer) or none of it (the
     wrapper trains on), and either way the training equals the plain optimizer's."""
-    k, outcomes = 0, set()
-    while True:
-        k += 1
-        m1, plain, m2, wrapped = pair("adamw")
-        train(m1, plain, [0, 1])
-        train(m2, wrapped, [0, 1])
-        hit, raised = sigint_at_line(k, wrapped.close)
-        if not hit:
-            break
-        assert isinstance(raised, KeyboardInterrupt), (k, raised)
+    outcomes = []
+    for m1, plain, m2, wrapped, _ in ctrl_c_at_each_line("adamw", lambda w, _: w.close()):
         if state_staging_of(wrapped).closed:
-            outcomes.add("closed")
+            outcomes.append("closed")
             assert not state_staging_of(wrapped).handles
             wrapped = StateOffloadOptimizer(wrapped.optimizer)
         else:
-            outcomes.add("open")
+            outcomes.append("open")
         train(m1, plain, [2])
         train(m2, wrapped, [2])
         assert_same(m1, plain, m2, wrapped)
-    assert k > 3 and outcomes == {"open", "closed"}
+    assert len(outcomes) > 3 and set(outcomes) == {"open", "closed"}
 
 
 @pytest.mark.filterwarnings("ignore::pytest.PytestUnraisableExceptionWarning")  # the finalizer's, below
