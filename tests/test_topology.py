@@ -515,6 +515,40 @@ def test_bind_lowers_only_a_torch_thread_count_above_its_cpus_and_says_so():
     assert f"torch.set_num_threads({n})" in after and f"{n + 2} intra-op threads" in after, after
 
 
+def test_every_full_offload_optimizer_binds_not_only_the_first_of_the_process():
+    """The binding ran at the first full-offload construction of a process only: a torch
+    thread count raised above the rank's CPUs after it, or an affinity widened after it, stayed
+    for the next optimizer, unlike what the docs promise for each."""
+    out, err = run_python("""
+        import json, logging, os, sys, torch, torch.nn as nn
+        import cpu_offload
+        logging.basicConfig(stream=sys.stderr, level=logging.INFO)
+
+        def wrap():
+            model = nn.Linear(64, 64)
+            opt = cpu_offload.offload_optimizer(torch.optim.AdamW(model.parameters()), offload="full")
+            model(torch.randn(8, 64).to(torch.bfloat16)).float().pow(2).mean().backward()
+            opt.step()
+            opt.close()
+            return opt.binding
+
+        allowed = sorted(os.sched_getaffinity(0))
+        plan = wrap()
+        print("---", file=sys.stderr, flush=True)
+        torch.set_num_threads(len(allowed) + 3)
+        os.sched_setaffinity(0, allowed)
+        wrap()
+        print(json.dumps({"plan": sorted(plan.cpus), "torch": torch.get_num_threads(),
+                          "affinity": sorted(os.sched_getaffinity(0))}))
+    """, stderr=True)
+    data = json.loads(out)
+    n = len(data["plan"])
+    assert data["torch"] == n
+    assert data["affinity"] == data["plan"]
+    after = err.split("---")[1]
+    assert f"torch.set_num_threads({n})" in after, after
+
+
 @pytest.mark.parametrize("which", ["numa_node", "cpulist"])
 @pytest.mark.parametrize("how, reason", [("directory", "Is a directory"), ("binary", "not text")])
 def test_a_sysfs_file_that_cannot_be_read_is_named_not_a_traceback(tmp_path, caplog, capsys, monkeypatch,

@@ -1,8 +1,9 @@
-# The one-time binding of the process's CPU work to the device's NUMA node, for full
-# offload: the plan is computed once per process, before the first bind narrows the
-# affinity mask, and applied before any host state is touched (first touch places pages).
+# The binding of the process's CPU work to the device's NUMA node, for full offload: the
+# plan is computed once per process, before the first bind narrows the affinity mask, and
+# applied by every full-offload optimizer before it touches any host state (first touch
+# places pages).
 #
-# Scope: choosing the plan for the parameters' device and applying it once. Non-goals:
+# Scope: choosing the plan for the parameters' device and applying it. Non-goals:
 # planning itself and the binding mechanics (cpu_offload.topology).
 
 from __future__ import annotations
@@ -17,8 +18,8 @@ _BOUND_PLAN = None
 
 
 def bind_for(device: torch.device, sysfs_root: str) -> "Optional[object]":
-    """Apply the topology binding once per process (the plan must be computed
-    before the first bind narrows the affinity, so it is cached)."""
+    """Apply the process's topology binding (the plan must be computed before the first bind
+    narrows the affinity, so it is cached)."""
     # NOTE: imported here, not at the top, so `python -m cpu_offload.topology` runs a module
     # that importing the package has not already loaded.
     from cpu_offload import topology
@@ -35,6 +36,8 @@ def bind_for(device: torch.device, sysfs_root: str) -> "Optional[object]":
                 plan = topology.plan_for_rank(sysfs_root=sysfs_root, require_topology=True)
         else:  # CPU parameters: no GPU to bind to, only the thread budget
             plan = topology.plan_for_rank(pci_addresses=[], sysfs_root=sysfs_root)
-        topology.bind(plan)
         _BOUND_PLAN = plan
+    # NOTE: applied again for each optimizer: the affinity, the native pool or torch's thread
+    # count may have changed since the last one.
+    topology.bind(_BOUND_PLAN)
     return _BOUND_PLAN
