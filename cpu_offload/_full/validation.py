@@ -111,7 +111,7 @@ class StepValidator:
         self._window_limit: Optional[float] = None  # the smallest finite 2-norm clip_grad_norm_ limit
         self.skipped = False
         self._norms: dict = {}  # norm_type -> norm of the window's unscaled gradients
-        self.grad_norm: Optional[float] = None  # the last norm computed in this window (scaled)
+        self.grad_norm: Optional[float] = None  # the last norm computed since a pass began (scaled)
         self.clip_coef: Optional[float] = None  # the last clipping coefficient of this window
         self.late_hparams = False  # step() found hyper-parameters other than those of the last backward
 
@@ -172,6 +172,7 @@ class StepValidator:
         """A backward pass adds to the window's gradients: norms computed so far are stale, and
         the factors given since the last pass came before this one."""
         self._norms.clear()
+        self.grad_norm = None
         self.since_pass = 1.0
 
     def short_window_ends(self) -> None:
@@ -253,7 +254,10 @@ class StepValidator:
         if self.pipeline.nonfinite and local and all(math.isfinite(n) for _, n in local):
             local.append((recs[0], math.nan))  # a chunk stopped before its norms were all read
         self._norms[2.0] = n = total_norm(local, 2.0)
-        self.grad_norm = self.scale * n
+        # NOTE: a norm computed since the last pass began (a clip before step() closed a short
+        # window) is of these gradients before that clip, the one to log: scale holds its factor
+        if self.grad_norm is None:
+            self.grad_norm = self.scale * n
         if not math.isfinite(n):
             if self.skip_nonfinite:
                 self._skip()

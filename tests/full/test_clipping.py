@@ -116,6 +116,27 @@ def test_under_steady_clipping_short_windows_and_the_windows_after_them_run_once
         off.zero_grad()
 
 
+def test_the_logged_grad_norm_is_the_one_clip_grad_norm_returned_in_full_and_short_windows():
+    """In a short window (step() after fewer passes than grad_accum_steps, a framework's last
+    of an epoch), stats()["grad_norm"] was the norm after torch's clip (its max_norm), where a
+    full window's is the norm before it, as clip_grad_norm_ returns it."""
+    model, opt = build("adamw", seed=int(torch.randint(1 << 30, ())))
+    grads = capture(model)
+    off = FullCPUOffloadOptimizer(opt, grad_accum_steps=3, **SMALL)
+    for s, passes in enumerate([3, 2, 1, 3, 2]):
+        grads.clear()
+        train_step(model, off, s, passes, loss_factor=LOSS_SCALES[s % len(LOSS_SCALES)])
+        returned = float(torch.nn.utils.clip_grad_norm_(model.parameters(), 1e-3))
+        off.step()
+        summed = [torch.stack(g).sum(0) for g in grads.values()]
+        expected = float(torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(g) for g in summed])))
+        assert abs(returned - expected) <= 1e-5 * expected, (s, passes)
+        assert float(torch.tensor(off.stats()["grad_norm"], dtype=torch.float32)) == returned, (s, passes)
+        assert off.stats()["clip_coef"] < 1.0
+        off.zero_grad()
+    off.close()
+
+
 @pytest.mark.parametrize("k", [1, 2])
 def test_clipping_to_zero_steps_with_zero_gradients_like_torch(k):
     # clip_grad_norm_(0) gives coefficient 0: the kernels step with grad_scale=0 (the
