@@ -113,19 +113,36 @@ def _shutdown(records, pipeline, transfer, handles, trace, pid: int, proto, *, f
     with deferred_interrupts():
         _unhook(records, handles)
         if finish_queued:
+            # NOTE: chunks of a step() that returned before they ran (overlap_forward): a
+            # wrapper dropped right after its last step left some weights without it. A
+            # failure there cannot be raised from a finalizer (the next forward would have):
+            # it warns, or a run whose last step half failed would end as if it had not.
             try:
-                # NOTE: chunks of a step() that returned before they ran (overlap_forward): a
-                # wrapper dropped right after its last step left some weights without it. A
-                # failure there is not raised from a finalizer (the next forward would have).
                 pipeline.drain()
-            except Exception:
-                pass
+                err = pipeline.take_error()
+            except Exception as exc:
+                err = exc
+            if err is not None and proto.landing:
+                warnings.warn(f"cpu_offload: the CPU step of the last step() failed after step() returned and no "
+                              f"forward or close() followed to raise it: {err}; {_landing_note(records)}",
+                              RuntimeWarning, stacklevel=2)
         pipeline.close()
         try:
             transfer.synchronize()
         except Exception:  # the device may already be gone at interpreter exit
             pass
         trace.write()
+
+
+def _landing_note(records) -> str:
+    """Which parameters took a step whose chunks failed after step() returned (overlap_forward),
+    before the window's bookkeeping is reset."""
+    stepped = [r for r in records if r.stepped and not r.on_device]
+    torn = [r.name for r in records if r.torn]
+    unfinished = [r.name for r in records if r.pieces_total and not r.stepped and not r.torn]
+    return (f"after step() returned, so {len(stepped)} of {len(records)} parameters took that step and "
+            f"{unfinished[:8]} did not (as if they had no gradient)"
+            + (f"; {torn} were only partly updated: reload the last checkpoint" if torn else ""))
 
 
 def _unhook(records, handles) -> None:
@@ -1001,19 +1018,15 @@ class FullCPUOffloadOptimizer(WindowControls, torch.optim.Optimizer):
         self._transfer.compute_waits_for_h2d()
         with deferred_interrupts():
             err = self._pipeline.take_error()
-            stepped = [r for r in self._records if r.stepped and not r.on_device]
-            torn = [r.name for r in self._records if r.torn]
-            unfinished = [r.name for r in self._records if r.pieces_total and not r.stepped and not r.torn]
+            note = _landing_note(self._records) if err is not None else ""
             held_back = self._pipeline.held_back
-            note_versions(stepped)
+            note_versions([r for r in self._records if r.stepped and not r.on_device])
             reset_window(self._records, self._pipeline)
             self._proto.landing = False
             self._note_stats()
             show_steps(self._records)
         if err is not None:
-            err.args = (f"{err.args[0]}; after step() returned, so {len(stepped)} of {len(self._records)} parameters "
-                        f"took that step and {unfinished[:8]} did not (as if they had no gradient)"
-                        + (f"; {torn} were only partly updated: reload the last checkpoint" if torn else ""),)
+            err.args = (f"{err.args[0]}; {note}",)
             raise err
         if held_back:
             raise ProtocolError("overlap_forward: the worker held back a chunk after step() had returned")

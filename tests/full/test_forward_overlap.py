@@ -13,6 +13,7 @@ import gc
 import io
 import threading
 import time
+import warnings
 import weakref
 
 import pytest
@@ -367,6 +368,30 @@ def test_a_worker_failure_after_step_surfaces_in_the_next_forward(monkeypatch):
     off.wait_for_weights()
     assert all(r.step == 1 + (r.name in took) for r in records_of(off))
     off.close()
+
+
+def test_a_worker_failure_after_the_last_step_warns_when_the_optimizer_is_dropped(monkeypatch):
+    """No forward follows the last step() of a run: the optimizer, dropped (or left to the
+    interpreter's exit), stepped its queued chunks and swallowed their failure, so a script
+    whose last step half failed exited with 0 and no word."""
+    model = layers()
+    off = FullCPUOffloadOptimizer(torch.optim.AdamW(model.parameters()), overlap_forward=model,
+                                  pinned_bytes=8 * 4096, num_slots=4)  # one kernel call per chunk
+    gate = Gate(monkeypatch)
+    gate.close()
+    model(torch.randn(2, 32).to(torch.bfloat16)).float().sum().backward()
+    off.step()
+    gate.fail_at = gate.calls + 2
+    records = records_of(off)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        del off
+        gc.collect()
+    took = sum(r.step == 1 for r in records)
+    assert 0 < took < 6
+    failed = [w for w in caught if "injected kernel failure" in str(w.message)]
+    assert len(failed) == 1 and failed[0].category is RuntimeWarning, [str(w.message) for w in caught]
+    assert f"so {took} of 6 parameters took that step" in str(failed[0].message)
 
 
 @pytest.mark.parametrize("where", ["a forward waits", "the window lands"])
