@@ -162,12 +162,13 @@ def _in_finalizer(frame) -> bool:
     return False
 
 
-def sigint_at_line(k: int, call, start: str | None = None) -> tuple:
-    """Run ``call()`` with SIGINT raised at the ``k``-th line the package runs on this thread
-    (its handler then runs as a real Ctrl-C's would: at once, or where ``deferred_interrupts``
-    delivers it); with ``start``, counting only the lines run inside the first call of the
-    package's function of that name. Returns (whether ``call`` ran ``k`` such lines
-    (``is_interruptible_line``), what it raised or None). Needs the ``sigint_raises`` fixture."""
+def sigint_at_line(k: int, call, start: str | None = None, signum: int = signal.SIGINT) -> tuple:
+    """Run ``call()`` with SIGINT (``signum``) raised at the ``k``-th line the package runs on
+    this thread (its handler then runs as a real signal's would: at once, or where
+    ``deferred_interrupts`` delivers it); with ``start``, counting only the lines run inside the
+    first call of the package's function of that name. Returns (whether ``call`` ran ``k`` such
+    lines (``is_interruptible_line``), what it raised or None). For SIGINT, needs the
+    ``sigint_raises`` fixture."""
     package = str(Path(kernels.__file__).parent)
     seen, counting = [0], {"now": start is None, "done": False}
 
@@ -175,7 +176,7 @@ def sigint_at_line(k: int, call, start: str | None = None) -> tuple:
         if counting["now"] and is_interruptible_line(frame, event):
             seen[0] += 1
             if seen[0] == k:
-                signal.raise_signal(signal.SIGINT)
+                signal.raise_signal(signum)
         if event == "return" and frame.f_code.co_name == start:
             counting.update(now=False, done=True)
         return local

@@ -5,6 +5,7 @@
 # weights stay, also for parameters the saved run never stepped.
 import os
 import re
+import signal
 import warnings
 
 import pytest
@@ -13,7 +14,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 import cpu_offload
-from helpers import SMALL, records_of, through_torch_save
+from helpers import SMALL, records_of, sigint_at_line, through_torch_save
 
 HP = dict(lr=1e-2, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1)
 LOSS_SCALES = [0.3, 4.0, 1.0, 12.0, 0.1, 2.5, 0.7, 5.0]  # clips on most steps, by varying factors
@@ -47,6 +48,52 @@ def train(model, opt, steps, *, clip_call=False):
         opt.step()
         opt.zero_grad()
 
+
+
+@pytest.mark.parametrize("accum, passes", [(1, 1), (2, 2), (2, 1)], ids=["window", "accumulated", "short window"])
+def test_a_checkpoint_a_signal_handler_saves_during_step_is_the_state_before_or_after_it(accum, passes):
+    """A handler of SIGTERM or SIGUSR1 (a cluster's notice of preemption) that saves
+    ``opt.state_dict()``: landing in step() as it showed the new step counts, it saved a
+    parameter whose step was the new one and whose master's the old, and the resume then
+    dropped that master for the bf16 weight, blaming another optimizer. It now runs once the
+    step's change of the host state is whole."""
+    seed = int(torch.randint(1 << 30, ()))
+    k, outcomes = 0, set()
+    while True:
+        k += 1
+        model, opt = fresh(seed=seed, grad_accum_steps=accum)
+        train(model, opt, range(2))
+        before = through_torch_save(opt.state_dict())
+        for _ in range(passes):
+            x = torch.randn(16, 24, generator=torch.Generator().manual_seed(2))
+            model(x.to(torch.bfloat16), 2).float().pow(2).mean().backward()
+        saved = []
+
+        def on_signal(signum, frame, opt=opt, saved=saved):
+            try:
+                saved.append(through_torch_save(opt.state_dict()))
+            except RuntimeError as refused:  # between the window's last backward and step()
+                assert "step()" in str(refused)
+                outcomes.add("refused")
+        previous = signal.signal(signal.SIGUSR1, on_signal)
+        try:
+            hit, raised = sigint_at_line(k, opt.step, signum=signal.SIGUSR1)
+        finally:
+            signal.signal(signal.SIGUSR1, previous)
+        if not hit:
+            break
+        assert raised is None, (k, raised)
+        after = through_torch_save(opt.state_dict())
+        opt.close()
+        for checkpoint in saved:
+            entries = checkpoint["state"].values()
+            assert all(int(e["step"]) == int(e["master_step"]) for e in entries), k
+            which = [name for name, want in (("before", before), ("after", after))
+                     if all(torch.equal(e[key], want["state"][i][key])
+                            for i, e in checkpoint["state"].items() for key in ("master", "exp_avg", "exp_avg_sq", "step"))]
+            assert which, k
+            outcomes.update(which)
+    assert k > 20 and "after" in outcomes, (k, outcomes)
 
 
 def host_state(opt):
