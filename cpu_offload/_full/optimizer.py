@@ -26,6 +26,7 @@
 
 from __future__ import annotations
 
+import functools
 import os
 import sys
 import threading
@@ -132,6 +133,21 @@ def _shutdown(records, pipeline, transfer, handles, trace, pid: int, proto, *, f
         except Exception:  # the device may already be gone at interpreter exit
             pass
         trace.write()
+
+
+def _keeps_grad_mode_on_failure(init):
+    """A construction that raises leaves torch's grad mode as it found it. NOTE: a Ctrl-C in
+    ``torch.no_grad``'s ``__exit__`` (the casts run under it) is raised before that restores
+    the mode, and the next backward would fail, saying nothing requires a gradient."""
+    @functools.wraps(init)
+    def construct(self, *args, **kwargs):
+        enabled = torch.is_grad_enabled()
+        try:
+            init(self, *args, **kwargs)
+        except BaseException:
+            torch.set_grad_enabled(enabled)
+            raise
+    return construct
 
 
 def _landing_note(records) -> str:
@@ -260,6 +276,7 @@ class FullCPUOffloadOptimizer(WindowControls, torch.optim.Optimizer):
         optimizer that unscales its own gradients, which this one does not."""
         return sys._getframe(1).f_code is _GRAD_SCALER_STEP
 
+    @_keeps_grad_mode_on_failure
     def __init__(
         self,
         optimizer: torch.optim.Optimizer,

@@ -690,6 +690,41 @@ def test_a_ctrl_c_at_any_line_of_the_construction_leaves_the_model_as_it_was(sig
     assert k > 500
 
 
+def test_a_ctrl_c_in_torch_no_grad_exit_during_the_construction_leaves_grad_mode_on(monkeypatch):
+    """A Ctrl-C landing in ``torch.no_grad``'s ``__exit__`` (the casts run under it), before it
+    restores the mode, left gradients off after the aborted construction: the retry's backward
+    then failed with "element 0 of tensors does not require grad"."""
+    no_grad = torch.autograd.grad_mode.no_grad
+    real_exit, exits = no_grad.__exit__, [0, 0]  # the construction's exits so far, the one to interrupt
+
+    def interrupted_exit(self, *exc):
+        exits[0] += 1
+        if exits[0] == exits[1]:
+            raise KeyboardInterrupt  # before the mode is restored
+        return real_exit(self, *exc)
+    while True:
+        exits[:] = [0, exits[1] + 1]
+        model = Net()
+        before = {n: p.detach().clone() for n, p in model.named_parameters()}
+        opt = torch.optim.AdamW(model.parameters(), **REPLAY_HP)
+        monkeypatch.setattr(no_grad, "__exit__", interrupted_exit)
+        try:
+            built = FullCPUOffloadOptimizer(opt, **SMALL)
+        except KeyboardInterrupt:
+            built = None
+        finally:
+            monkeypatch.undo()
+        if built is not None:
+            built.close()
+            break
+        grad_on = torch.is_grad_enabled()
+        torch.set_grad_enabled(True)  # NOTE: for the next round, and the next test, whatever this one left
+        assert grad_on, exits
+        assert all(p.dtype == before[n].dtype and torch.equal(p.detach(), before[n])
+                   for n, p in model.named_parameters()), exits
+    assert exits[1] > 2
+
+
 def test_a_ctrl_c_while_the_construction_carries_a_stepped_optimizers_state_keeps_that_state(sigint_raises):
     """Wrapping an AdamW that has stepped carries its state over, then clears the torch
     optimizer's own copy. A Ctrl-C there (delivered where that block ends) undid the
