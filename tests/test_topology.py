@@ -78,6 +78,9 @@ def test_local_rank_info_reads_torchrun_variables():
         topology.local_rank_info({"LOCAL_RANK": "0", "LOCAL_WORLD_SIZE": "eight"})
     with pytest.raises(ValueError, match="LOCAL_RANK=8"):
         topology.local_rank_info({"LOCAL_RANK": "8", "LOCAL_WORLD_SIZE": "8"})
+    # a launcher other than torchrun: the size is not set, and the message says so
+    with pytest.raises(ValueError, match=r"LOCAL_RANK=1 .* LOCAL_WORLD_SIZE is not set"):
+        topology.local_rank_info({"LOCAL_RANK": "1"})
 
 
 def test_gpu_pci_addresses_from_torch_properties(monkeypatch):

@@ -85,6 +85,9 @@ def local_rank_info(environ: Mapping[str, str] | None = None) -> tuple[int, int]
             raise ValueError(f"environment variable {name}={raw!r} is not an integer") from None
     rank, size = values
     if size < 1 or not 0 <= rank < size:
+        if rank > 0 and env.get("LOCAL_WORLD_SIZE") in (None, ""):
+            raise ValueError(f"LOCAL_RANK={rank} is set but LOCAL_WORLD_SIZE is not set, so it counts as 1: set it to "
+                             "the number of processes on this host (torchrun sets both)")
         raise ValueError(f"LOCAL_RANK={rank} must be in [0, LOCAL_WORLD_SIZE={size})")
     return rank, size
 
