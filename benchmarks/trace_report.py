@@ -103,6 +103,8 @@ def main(argv=None) -> int:
     report = {}
     for path in args.traces:
         rows = step_rows(read_json(p, path, _why_not_a_trace)["events"], args.gap_ms / 1e3)
+        if not rows:
+            p.error(f"{path}: fewer than two step() returns, so no step to report (a step runs from one to the next)")
         timed = rows[args.skip:] or rows
         medians = {c: statistics.median(r[c] for r in timed) if all(r[c] is not None for r in timed) else None
                    for c in COLUMNS}

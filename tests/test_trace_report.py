@@ -61,6 +61,7 @@ def test_a_real_trace_reads_back(report, monkeypatch, tmp_path, capsys):
     ('{"events": [[1.0, "t", "step_end"', "not JSON"),
     ("[1, 2]", "not a pipeline trace"),
     ('{"events": [[1.0, "t"]]}', "not a pipeline trace"),
+    ('{"events": [[1.0, "t", "step_begin", null], [2.0, "t", "step_end", null]]}', "fewer than two step() returns"),
 ])
 def test_a_file_that_is_not_a_trace_is_refused_by_name(report, tmp_path, capsys, content, message):
     path = tmp_path / "trace_1.json"
