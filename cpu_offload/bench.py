@@ -86,6 +86,9 @@ def probe_numel(numel: int) -> int:
     return max(4 * numel, 1 << 27)
 
 
+MAX_TENSORS = 65536
+
+
 def bytes_needed(numel: int) -> int:
     """Host bytes a run over ``numel`` elements allocates: the workload and the bandwidth probe."""
     return WORKLOAD_BYTES_PER_ELEMENT * numel + 4 * probe_numel(numel)
@@ -269,7 +272,7 @@ def _parse(argv):
     ap = argparse.ArgumentParser(prog="python -m cpu_offload.bench", description=_DESCRIPTION, epilog=_EPILOG,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--numel", type=int, default=32 << 20, help="elements per configuration (default 32M)")
-    ap.add_argument("--tensors", type=int, default=1, help="split the elements over this many tensors (default 1)")
+    ap.add_argument("--tensors", type=int, default=1, help="split the elements over this many tensors (default 1, at most 65,536)")
     ap.add_argument("--threads", type=int, default=None, help="native worker threads (default: affinity mask)")
     ap.add_argument("--isa", action="append", choices=kernels._C.known_isas(),
                     help="time only this ISA (repeatable; default: every available one)")
@@ -280,6 +283,10 @@ def _parse(argv):
     args = ap.parse_args(argv)
     if args.numel < 1 or args.tensors < 1 or args.tensors > args.numel:
         ap.error("--numel and --tensors must be >= 1, with --tensors <= --numel")
+    # NOTE: each tensor costs a few KiB of host memory and its own validation per kernel call, so a
+    # million tiny ones spend minutes allocating; a model's chunk holds at most a few thousand
+    if args.tensors > MAX_TENSORS:
+        ap.error(f"--tensors must be <= {MAX_TENSORS:,}, got {args.tensors:,}")
     needed, available = bytes_needed(args.numel), available_bytes()
     if needed > available:  # NOTE: before anything is allocated: a usage error, not the allocator's
         ap.error(f"--numel {args.numel} needs about {needed / 2**30:.1f} GiB of RAM (the workload and the "

@@ -57,7 +57,8 @@ def test_reference_check_catches_a_wrong_kernel(monkeypatch):
 
 @pytest.mark.parametrize("argv", [["--numel", "0"], ["--tensors", "10", "--numel", "5"], ["--repeats", "0"],
                                   ["--threads", "0"], ["--threads", "100000"], ["--isa", "neon"],
-                                  ["--json", "/nonexistent-dir/bench.json"], ["--json", ""]])
+                                  ["--json", "/nonexistent-dir/bench.json"], ["--json", ""],
+                                  ["--numel", "3000000", "--tensors", "3000000"]])
 def test_bench_rejects_bad_options(argv):
     with pytest.raises(SystemExit) as e:
         bench.main(argv)
