@@ -7,7 +7,8 @@
 # (SIGTERM, SIGHUP, SIGUSR1, SIGUSR2) too: such a handler that saves a checkpoint would
 # otherwise save the state half changed.
 #
-# ``interruptible()`` lets a user's callback inside such a block (a closure) be interrupted.
+# ``interruptible()`` lets a user's callback inside such a block (a closure) be interrupted
+# by Ctrl-C.
 #
 # Scope: those signals on the main thread (the only thread Python runs signal handlers on;
 # on any other thread the block runs as is). Non-goals: other signals, a signal whose
@@ -33,84 +34,98 @@ _DEFERRED = (signal.SIGINT,) + tuple(getattr(signal, name) for name in ("SIGTERM
 @contextlib.contextmanager
 def deferred_interrupts() -> Iterator[None]:
     """Run the block with SIGINT, and the Python handlers of SIGTERM, SIGHUP, SIGUSR1 and
-    SIGUSR2, deferred; a signal received meanwhile is delivered when it ends, in the order
-    received (SIGINT: ``KeyboardInterrupt`` under Python's default handler)."""
+    SIGUSR2, deferred; each signal received meanwhile is delivered once when it ends, in the
+    order received (SIGINT: ``KeyboardInterrupt`` under Python's default handler)."""
     if threading.current_thread() is not threading.main_thread():
         yield
         return
-    received: list = []
+    block = _Block()
     replaced: dict = {}
     try:
         for signum in _DEFERRED:
             previous = signal.getsignal(signum)
             if signum == signal.SIGINT or callable(previous):
                 replaced[signum] = previous
-                signal.signal(signum, _Deferring(previous, received))
+                signal.signal(signum, _Deferring(previous, block))
     except ValueError:  # not the main interpreter
-        _restore(replaced)
+        _end(block, replaced)
         yield
         return
     except BaseException:
-        _restore(replaced)
+        _end(block, replaced)
         raise
     try:
         yield
     finally:
-        _restore(replaced)
-        _deliver_all(received, replaced)
+        _end(block, replaced)
 
 
 @contextlib.contextmanager
 def interruptible() -> Iterator[None]:
-    """Inside ``deferred_interrupts()``: run the block with the deferred signals handled at
-    once, as outside it (a user's callback, such as a ``step(closure)``'s closure, which may
-    block)."""
-    deferring = {}
-    if threading.current_thread() is threading.main_thread():
-        for signum in _DEFERRED:
-            handler = signal.getsignal(signum)
-            if isinstance(handler, _Deferring):
-                deferring[signum] = handler
-    if not deferring:
+    """Inside ``deferred_interrupts()``: run the block with SIGINT handled at once, as outside
+    it (a user's callback, such as a ``step(closure)``'s closure, which may block). The other
+    signals stay deferred to the end of the enclosing block."""
+    handler = signal.getsignal(signal.SIGINT) if threading.current_thread() is threading.main_thread() else None
+    if not isinstance(handler, _Deferring):
         yield
         return
-    _restore({signum: handler.previous for signum, handler in deferring.items()})
+    signal.signal(signal.SIGINT, handler.previous)
     try:
         yield
     finally:
-        _restore(deferring)
+        signal.signal(signal.SIGINT, handler)
 
 
-def _restore(handlers: dict) -> None:
-    for signum, handler in handlers.items():
-        signal.signal(signum, handler)
+class _Block:
+    """One deferred block: the signals it received, (number, frame), and whether it still
+    runs. NOTE: once it has ended its handlers forward each signal at once to the one they
+    replaced, so a handler that a signal kept from being restored (a Ctrl-C raised in the
+    middle of the restoring) still runs the user's."""
 
-
-def _deliver_all(received: list, handlers: dict) -> None:
-    """Each signal received once, in order: its handler's exception (KeyboardInterrupt) is
-    raised after the signals behind it are raised again for their own handlers."""
-    pending = []
-    for signum, frame in received:
-        if all(signum != s for s, _ in pending):
-            pending.append((signum, frame))
-    for i, (signum, frame) in enumerate(pending):
-        try:
-            _deliver(handlers[signum], signum, frame)
-        except BaseException:
-            for later, _ in pending[i + 1:]:
-                signal.raise_signal(later)  # NOTE: run by Python at its next check, as any signal
-            raise
+    def __init__(self):
+        self.received: list = []
+        self.running = True
 
 
 class _Deferring:
-    """The handler of a deferred block: records the signal for delivery at its end."""
+    """The handler of a deferred block: records the signal for delivery at the block's end."""
 
-    def __init__(self, previous, received: list):
+    def __init__(self, previous, block: _Block):
         self.previous = previous  # the handler the block replaced
-        self.received = received  # (signal number, frame), shared by the block's signals
+        self.block = block
 
     def __call__(self, signum, frame) -> None:
-        self.received.append((signum, frame))
+        if self.block.running:
+            self.block.received.append((signum, frame))
+        else:
+            _deliver(self.previous, signum, frame)
+
+
+def _end(block: _Block, replaced: dict) -> None:
+    """The block ends: its handlers forward from now on, the replaced ones are put back, and
+    what it received is delivered, each handler run even when one before it raised."""
+    block.running = False
+    try:
+        for signum, handler in replaced.items():
+            signal.signal(signum, handler)
+    finally:
+        _deliver_all(block.received, replaced)
+
+
+def _deliver_all(received: list, handlers: dict) -> None:
+    """Each signal received once, in the order received; the first exception a handler raised
+    (KeyboardInterrupt) is raised once every one has run."""
+    delivered, raised = set(), None
+    for signum, frame in received:
+        if signum in delivered:
+            continue
+        delivered.add(signum)
+        try:
+            _deliver(handlers[signum], signum, frame)
+        except BaseException as e:
+            raised = raised or e
+    if raised is not None:
+        raise raised
 
 
 def _deliver(handler, signum: int, frame) -> None:
