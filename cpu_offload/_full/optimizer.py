@@ -105,12 +105,14 @@ def _shutdown(records, pipeline, transfer, handles, trace, pid: int, proto, *, f
         threading.Thread(target=_shutdown, args=(records, pipeline, transfer, handles, trace, pid, proto),
                          name="cpu_offload-shutdown", daemon=True).start()
         return
+    # NOTE: warned once everything is released: under -W error a warning raises, and the
+    # worker, the rings and the trace would be left behind
+    said = []
     if proto.phase is Phase.APPLIED:
-        warnings.warn("cpu_offload: a full-offload optimizer was released after a window's last backward pass without "
-                      "step() (in a reference cycle, at exit, or on its worker thread): the window's step was not "
-                      "completed, so parameters whose state is on the device, or whose update a clipping factor "
-                      "changes, did not take it; call step() or close() before dropping it", RuntimeWarning,
-                      stacklevel=2)
+        said.append("cpu_offload: a full-offload optimizer was released after a window's last backward pass without "
+                    "step() (in a reference cycle, at exit, or on its worker thread): the window's step was not "
+                    "completed, so parameters whose state is on the device, or whose update a clipping factor "
+                    "changes, did not take it; call step() or close() before dropping it")
     with deferred_interrupts():
         _unhook(records, handles)
         if finish_queued:
@@ -124,15 +126,16 @@ def _shutdown(records, pipeline, transfer, handles, trace, pid: int, proto, *, f
             except Exception as exc:
                 err = exc
             if err is not None and proto.landing:
-                warnings.warn(f"cpu_offload: the CPU step of the last step() failed after step() returned and no "
-                              f"forward or close() followed to raise it: {err}; {_landing_note(records)}",
-                              RuntimeWarning, stacklevel=2)
+                said.append(f"cpu_offload: the last step() had not landed when its optimizer was released, and no "
+                            f"forward or close() followed to raise this: {err}; {_landing_note(records)}")
         pipeline.close()
         try:
             transfer.synchronize()
         except Exception:  # the device may already be gone at interpreter exit
             pass
         trace.write()
+    for message in said:
+        warnings.warn(message, RuntimeWarning, stacklevel=2)
 
 
 def _keeps_grad_mode_on_failure(init):

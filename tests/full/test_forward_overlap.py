@@ -370,10 +370,12 @@ def test_a_worker_failure_after_step_surfaces_in_the_next_forward(monkeypatch):
     off.close()
 
 
-def test_a_worker_failure_after_the_last_step_warns_when_the_optimizer_is_dropped(monkeypatch):
+@pytest.mark.parametrize("as_errors", [False, True], ids=["warnings", "warnings as errors"])
+def test_a_worker_failure_after_the_last_step_warns_when_the_optimizer_is_dropped(monkeypatch, as_errors):
     """No forward follows the last step() of a run: the optimizer, dropped (or left to the
     interpreter's exit), stepped its queued chunks and swallowed their failure, so a script
-    whose last step half failed exited with 0 and no word."""
+    whose last step half failed exited with 0 and no word. The warning comes after the worker
+    has stopped: under -W error it is raised in the finalizer, and may not keep it running."""
     model = layers()
     off = FullCPUOffloadOptimizer(torch.optim.AdamW(model.parameters()), overlap_forward=model,
                                   pinned_bytes=8 * 4096, num_slots=4)  # one kernel call per chunk
@@ -382,11 +384,17 @@ def test_a_worker_failure_after_the_last_step_warns_when_the_optimizer_is_droppe
     model(torch.randn(2, 32).to(torch.bfloat16)).float().sum().backward()
     off.step()
     gate.fail_at = gate.calls + 2
-    records = records_of(off)
+    records, pipeline = records_of(off), off._pipeline
     with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always")
+        warnings.simplefilter("error" if as_errors else "always")
+        unraisable = []
+        monkeypatch.setattr("sys.unraisablehook", unraisable.append)  # a finalizer's exception
         del off
         gc.collect()
+    assert not pipeline._thread.is_alive()
+    if as_errors:
+        assert len(unraisable) == 1 and "injected kernel failure" in str(unraisable[0].exc_value)
+        return
     took = sum(r.step == 1 for r in records)
     assert 0 < took < 6
     failed = [w for w in caught if "injected kernel failure" in str(w.message)]
