@@ -42,6 +42,9 @@ CONFIGS = {
 # Host bytes per element a run holds at once: the Workload (fp32 params, grads, m, v: 16;
 # bf16 grads, m, v, out: 8) and the torch-op inverse's temporaries (three fp32 per element).
 WORKLOAD_BYTES_PER_ELEMENT = 24 + 12
+# NOTE: each tensor costs a few KiB of host memory and its own validation per kernel call, so
+# a million tiny ones spend minutes allocating; a model's chunk holds at most a few thousand
+MAX_TENSORS = 65536
 # bf16-moment configuration -> the same configuration with fp32 moments, timed alternately
 # with it for the "x fp32 states" ratio of elements per second.
 FP32_STATES_OF = {"adamw bf16 states->bf16": "adamw bf16 grads->bf16"}
@@ -84,9 +87,6 @@ def _alternating_median_seconds(fns, repeats: int):
 def probe_numel(numel: int) -> int:
     # NOTE: the probe array must be far larger than the last-level cache (servers have 100+ MB).
     return max(4 * numel, 1 << 27)
-
-
-MAX_TENSORS = 65536
 
 
 def bytes_needed(numel: int) -> int:
@@ -272,7 +272,8 @@ def _parse(argv):
     ap = argparse.ArgumentParser(prog="python -m cpu_offload.bench", description=_DESCRIPTION, epilog=_EPILOG,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--numel", type=int, default=32 << 20, help="elements per configuration (default 32M)")
-    ap.add_argument("--tensors", type=int, default=1, help="split the elements over this many tensors (default 1, at most 65,536)")
+    ap.add_argument("--tensors", type=int, default=1,
+                    help=f"split the elements over this many tensors (default 1, at most {MAX_TENSORS:,})")
     ap.add_argument("--threads", type=int, default=None, help="native worker threads (default: affinity mask)")
     ap.add_argument("--isa", action="append", choices=kernels._C.known_isas(),
                     help="time only this ISA (repeatable; default: every available one)")
@@ -283,8 +284,6 @@ def _parse(argv):
     args = ap.parse_args(argv)
     if args.numel < 1 or args.tensors < 1 or args.tensors > args.numel:
         ap.error("--numel and --tensors must be >= 1, with --tensors <= --numel")
-    # NOTE: each tensor costs a few KiB of host memory and its own validation per kernel call, so a
-    # million tiny ones spend minutes allocating; a model's chunk holds at most a few thousand
     if args.tensors > MAX_TENSORS:
         ap.error(f"--tensors must be <= {MAX_TENSORS:,}, got {args.tensors:,}")
     needed, available = bytes_needed(args.numel), available_bytes()
