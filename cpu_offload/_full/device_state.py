@@ -188,7 +188,12 @@ def check_fused_step(device: torch.device, fused: Optional[Callable] = None) -> 
     for dtype in (torch.float32, torch.bfloat16):
         base = [torch.randn(n, generator=gen) * torch.exp2(torch.randint(-20, 4, (n,), generator=gen).float())
                 for _ in range(4)]
-        base[2], base[3] = base[2].to(dtype), base[3].square().to(dtype)  # the moments (v >= 0)
+        base[3] = base[3].square()  # v >= 0
+        for t in base:
+            # NOTE: a quarter of each in float32's subnormal range, where moments decay while
+            # gradients stay zero: a kernel compiled to flush subnormals would step them otherwise
+            t[torch.rand(n, generator=gen) < 0.25] *= 2.0 ** -125
+        base[2], base[3] = base[2].to(dtype), base[3].to(dtype)  # the moments
         base[1] = base[1].to(dtype)  # the gradient, in the compute dtype
         want = [t.to(device) for t in base] + [torch.empty(n, dtype=torch.bfloat16, device=device)]
         got = [t.clone() for t in want]

@@ -28,6 +28,9 @@ __all__ = [
 # Elements per 64-byte line of fp32: every per-parameter view starts aligned.
 _ALIGN_ELEMS = 16
 
+# The integer dtype of each compute dtype's width, to compare values bit for bit.
+_SAME_WIDTH_INT = {torch.bfloat16: torch.int16, torch.float16: torch.int16, torch.float32: torch.int32}
+
 
 @dataclass(eq=False)
 class ParamRecord:
@@ -72,6 +75,9 @@ class ParamRecord:
     grad_sq: float = 0.0  # squared 2-norm of the window's (local) gradient, when norms are tracked
     retained: Optional[torch.Tensor] = None  # without accumulation: the window's gradient, kept for a redo
     hook: object = field(default=None, repr=False)
+    # The C++ tensor the hook was registered on (``param._cdata``): torch.utils.swap_tensors
+    # gives the parameter another one, without the hook
+    hooked_tensor: int = 0
 
     def local(self) -> torch.Tensor:
         """The device tensor holding the compute copy (looked up each time: FSDP2
@@ -477,12 +483,20 @@ def _external_change(rec: ParamRecord) -> Optional[torch.Tensor]:
 
 def adopt_external_weights(records: Iterable[ParamRecord]) -> None:
     """Weights changed outside the optimizer (``model.load_state_dict``, an
-    in-place edit, ``.data =``) win over stale masters: bf16-exact from a bf16
-    compute copy; fp32 precision is kept whenever the weights were not really changed."""
+    in-place edit, ``.data =``) win over stale masters, element by element: an element
+    whose compute copy differs from round(master) takes that value (bf16-exact from a bf16
+    compute copy), the others keep their fp32 bits.
+
+    NOTE: per element, not per tensor: an edit of part of a weight (a padding row zeroed
+    after each step, nn.Embedding(max_norm=...) renormalising the rows it looks up) would
+    otherwise round every master of the tensor at each edit. Compared bit for bit, so a
+    sign flipped at zero or a NaN's payload counts as a change."""
     for rec in records:
         current = _external_change(rec)
         if current is not None:
-            rec.master.copy_(current)
+            bits = _SAME_WIDTH_INT[current.dtype]
+            changed = current.view(bits) != rec.master.to(current.dtype).view(bits)
+            torch.where(changed, current.to(rec.master.dtype), rec.master, out=rec.master)
             rec.version = _version_of(rec)
             rec.master_from_weights = current.dtype != torch.float32
 

@@ -89,6 +89,13 @@ def _user_stacklevel() -> int:
     return level
 
 
+def _in_compiled_autograd() -> bool:
+    """Whether this backward runs under compiled autograd. NOTE: looked up in sys.modules, not
+    imported: importing dynamo costs a second, and a module nobody imported is not active."""
+    module = sys.modules.get("torch._dynamo.compiled_autograd")
+    return bool(getattr(module, "in_compiled_autograd_region", False))
+
+
 def _shutdown(records, pipeline, transfer, handles, trace, pid: int, proto, *, finish_queued: bool = True) -> None:
     """Release what a wrapper holds and write its trace; must not reference the wrapper (it
     runs from a finalizer). ``finish_queued``: the chunks queued or running are stepped
@@ -419,9 +426,7 @@ class FullCPUOffloadOptimizer(WindowControls, torch.optim.Optimizer):
                                       norm_slots=1 + max(r.index for r in records) if tracking else 0,
                                       forward_order=overlap, trace=trace)
             ref = weakref.ref(self)
-            for rec in records:
-                rec.hook = rec.param.register_post_accumulate_grad_hook(
-                    lambda param, rec=rec: None if (w := ref()) is None else w._on_grad(rec, param))
+            self._hook_grads(records)
             # NOTE: what follows registers the wrapper (its parameters' owner, their cast marks,
             # the forward waits, the finalizer). It is quick, so a Ctrl-C waits for its end and
             # is then undone below like any failure: else the parameters stayed owned by a
@@ -521,6 +526,14 @@ class FullCPUOffloadOptimizer(WindowControls, torch.optim.Optimizer):
             raise
 
     def _take_grad(self, rec, param) -> None:
+        if torch.compiler.is_compiling() or _in_compiled_autograd():
+            # NOTE: first, before anything that dynamo would trace: compiled autograd traces
+            # this hook into its backward graph, where the pipeline cannot run
+            raise RuntimeError(
+                "cpu_offload: a backward under compiled autograd (torch._dynamo.compiled_autograd, "
+                "torch._dynamo.config.compiled_autograd=True) cannot run offload='full': its gradient hooks copy "
+                "each gradient to the host and step it there, which cannot be traced into a graph. Turn compiled "
+                "autograd off (torch.compile of the model's modules works)")
         ownership.check_same_process(self._pid)
         self._settle(in_backward=True)
         if self._proto.phase is Phase.APPLIED:
@@ -553,8 +566,9 @@ class FullCPUOffloadOptimizer(WindowControls, torch.optim.Optimizer):
         compute = rec.local()
         if grad.dtype != compute.dtype:
             raise RuntimeError(
-                f"gradient of {rec.name} is {grad.dtype} but its compute copy is {compute.dtype}: an FSDP2 "
-                "model must be wrapped by offload_optimizer before its first forward pass"
+                f"gradient of {rec.name} is {grad.dtype} but its compute copy is {compute.dtype}: the backward's "
+                "graph was recorded by a forward before offload_optimizer cast the weights (or, for an FSDP2 model, "
+                "its first forward ran before wrapping); run the forward again after wrapping"
             )
         if grad.shape != rec.shape:
             raise RuntimeError(f"gradient of {rec.name} has shape {tuple(grad.shape)}, expected {tuple(rec.shape)}")
@@ -1219,24 +1233,50 @@ class FullCPUOffloadOptimizer(WindowControls, torch.optim.Optimizer):
         group later would never be stepped, and a frozen one unfrozen never either."""
         for p in self._frozen:
             if p.requires_grad:
+                where = next((f"param_groups[{g}][{i}]" for g, group in enumerate(self.param_groups)
+                              for i, q in enumerate(group["params"]) if q is p), "a parameter")
                 raise RuntimeError(
-                    "a parameter that was frozen (requires_grad=False) when the optimizer was wrapped now requires "
-                    "grad; full offload built its host state at construction: set requires_grad before wrapping")
+                    f"{where}, frozen (requires_grad=False) when the optimizer was wrapped, now requires grad; full "
+                    "offload built its host state at construction: set requires_grad before wrapping, or freeze it "
+                    "again")
         if _param_ids(self.param_groups) != self._group_ids:
             raise RuntimeError(
                 "the optimizer's param_groups no longer hold the parameters they held when offload_optimizer wrapped "
                 "it (a group or parameter added, removed or replaced); full offload built its host state at "
                 "construction: give the optimizer every parameter before wrapping it")
 
+    def _hook_grads(self, records) -> None:
+        """Take each record's gradient in a post-accumulate-grad hook (``_on_grad``)."""
+        ref = weakref.ref(self)
+        for rec in records:
+            rec.hook = rec.param.register_post_accumulate_grad_hook(
+                lambda param, rec=rec: None if (w := ref()) is None else w._on_grad(rec, param))
+            rec.hooked_tensor = rec.param._cdata
+
     def _check_no_bypassed_grads(self) -> None:
-        """A gradient left in ``param.grad`` never reached the hooks: it would be lost silently."""
-        left = [rec.name for rec in self._records if rec.param.grad is not None]
-        if left:
-            raise RuntimeError(
-                f"gradients of {left[:8]}{' ...' if len(left) > 8 else ''} reached param.grad without passing "
-                "through full offload's hooks, so no update used them (under FSDP2 after an exception in "
-                "backward: call reset_iter_state() on the root module before the next forward); call zero_grad() "
-                "to drop them")
+        """A gradient left in ``param.grad`` never reached the hooks: it would be lost silently.
+        NOTE: torch.utils.swap_tensors drops a tensor's hooks, and Module._apply and
+        load_state_dict swap parameters under set_swap_module_params_on_conversion(True):
+        such a parameter gets its hooks back, for the windows after this one."""
+        left = [rec for rec in self._records if rec.param.grad is not None]
+        if not left:
+            return
+        unhooked = [rec for rec in left if rec.param._cdata != rec.hooked_tensor]
+        for rec in unhooked:
+            # NOTE: the parameter kept its dict of these hooks, which its new C++ tensor does not
+            # call: setting it again registers it there (with every hook in it)
+            rec.param._post_accumulate_grad_hooks = rec.param._post_accumulate_grad_hooks
+            rec.hooked_tensor = rec.param._cdata
+        names = [rec.name for rec in left]
+        cause = (f"; full offload's gradient hooks had been removed from {[rec.name for rec in unhooked][:8]}: "
+                 "torch.utils.swap_tensors drops a tensor's hooks, and model.load_state_dict() and model.to() swap "
+                 "parameters under torch.__future__.set_swap_module_params_on_conversion(True); they are registered "
+                 "again for the next windows" if unhooked else
+                 " (under FSDP2 after an exception in backward: call reset_iter_state() on the root module before the "
+                 "next forward)")
+        raise RuntimeError(
+            f"gradients of {names[:8]}{' ...' if len(names) > 8 else ''} reached param.grad without passing through "
+            f"full offload's hooks, so no update used them{cause}; call zero_grad() to drop them")
 
     def _enter(self, *, land: bool = True) -> None:
         ownership.check_same_process(self._pid)

@@ -24,7 +24,13 @@ __all__ = ["check_unowned", "check_not_full_offloaded", "claim", "release", "own
 # NOTE: reentrant: the garbage collector may run inside a section holding it (claim() allocates)
 # and finalize a dropped wrapper there, whose release() takes it again on the same thread.
 _lock = threading.RLock()
-_owners: dict = {}  # id(param) -> (weakref to the param, weakref to the owning wrapper)
+# id(param) -> (the param, weakref to the owning wrapper). NOTE: the param itself, not a weak
+# reference: torch.utils.swap_tensors refuses a tensor that has one, and Module._apply swaps
+# parameters (DTensors under FSDP2; every parameter under
+# torch.__future__.set_swap_module_params_on_conversion) in model.to() and load_state_dict().
+# The entries go at release() (close() or the wrapper's finalizer), and the wrapper's records
+# hold the parameters until then anyway.
+_owners: dict = {}
 _CAST_ATTR = "_cpu_offload_cast_from"
 _ddp_instances: "weakref.WeakSet" = weakref.WeakSet()  # live DistributedDataParallel wrappers
 _other_wrappers: "weakref.WeakSet" = weakref.WeakSet()  # live offload="optimizer" wrappers
@@ -70,7 +76,7 @@ def check_unowned(records) -> None:
     with _lock:
         for rec in records:
             entry = _owners.get(id(rec.param))
-            if entry is not None and entry[0]() is rec.param and entry[1]() is not None:
+            if entry is not None and entry[0] is rec.param and entry[1]() is not None:
                 raise RuntimeError(
                     f"parameter {rec.name} is already driven by another full-offload optimizer, whose fp32 masters "
                     "hold its values; a parameter can have one owner: keep using the first one instead of wrapping "
@@ -124,21 +130,17 @@ register_optimizer_step_pre_hook(_refuse_other_optimizers_step)
 
 
 def claim(records, wrapper) -> None:
-    """Register ``wrapper`` as the owner of every record's parameter.
-
-    NOTE: after the in-place cast: a tensor with a weak reference cannot be
-    swapped, and FSDP2 parameters are cast by swapping.
-    """
+    """Register ``wrapper`` as the owner of every record's parameter."""
     with _lock:
         ref = weakref.ref(wrapper)
         for rec in records:
-            _owners[id(rec.param)] = (weakref.ref(rec.param), ref)
+            _owners[id(rec.param)] = (rec.param, ref)
 
 
 def owner_of(param):
     """The live wrapper that drives ``param``, or None."""
     entry = _owners.get(id(param))
-    if entry is None or entry[0]() is not param:
+    if entry is None or entry[0] is not param:
         return None
     return entry[1]()
 
@@ -146,14 +148,13 @@ def owner_of(param):
 def owned_count(wrapper) -> int:
     """How many live parameters ``wrapper`` drives."""
     with _lock:
-        return sum(1 for param_ref, owner_ref in _owners.values() if owner_ref() is wrapper and param_ref() is not None)
+        return sum(1 for _, owner_ref in _owners.values() if owner_ref() is wrapper)
 
 
 def live_owners() -> list:
-    """The live wrappers that drive a live parameter."""
+    """The live wrappers that drive a parameter."""
     with _lock:
-        found = {id(w): w for param_ref, owner_ref in list(_owners.values())
-                 if (w := owner_ref()) is not None and param_ref() is not None}
+        found = {id(w): w for _, owner_ref in list(_owners.values()) if (w := owner_ref()) is not None}
     return list(found.values())
 
 
@@ -190,11 +191,11 @@ def check_not_cast(records) -> None:
         if cast_to == torch.float32 and rec.param.dtype == torch.float32:
             continue
         raise RuntimeError(
-            f"parameter {rec.name} was cast from {original} to {cast_to} by an earlier full-offload optimizer, "
-            f"whose fp32 masters held its real values, and is {rec.param.dtype} now. That optimizer was closed or "
-            f"dropped (a live one is reused, not wrapped again): convert the parameters back with "
-            f"model.to({original}) and load a state_dict() saved from it, which has the masters, into this one; "
-            f"with none saved, model.to({original}) alone takes the {cast_to} values as they are"
+            f"parameter {rec.name} was cast from {original} to {cast_to} by a full-offload optimizer (this model's, "
+            f"or that of the model it was pickled from), whose fp32 masters held its real values, and is "
+            f"{rec.param.dtype} now: convert the parameters back with model.to({original}) and load a state_dict() "
+            f"saved from that optimizer, which has the masters, into this one; with none saved, "
+            f"model.to({original}) alone takes the {cast_to} values as they are"
         )
 
 

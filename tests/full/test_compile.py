@@ -106,3 +106,31 @@ def test_compiled_checkpointed_blocks_train_as_uncompiled_and_compile_only_at_th
             assert torch.isfinite(got[name]).all() and not torch.equal(got[name], init[name]), name
         else:
             assert torch.equal(got[name], value), name
+
+
+def test_a_backward_under_compiled_autograd_is_refused_by_name_and_changes_nothing():
+    """Compiled autograd traces the parameters' post-accumulate-grad hooks into its graph, so
+    dynamo ran full offload's hook symbolically and failed inside it with its own
+    "queue_callback() is only supported when Compiled Autograd is enabled with fullgraph=True".
+    The hook now refuses before it does anything, saying what to turn off; the next plain
+    backward steps as if the refused one had never run."""
+    import torch._dynamo.compiled_autograd as compiled_autograd
+
+    torch.manual_seed(0)
+    refused = CheckpointedNet()
+    plain = copy.deepcopy(refused)
+    offs = [offload_optimizer(torch.optim.AdamW(m.parameters(), lr=1e-2), offload="full") for m in (refused, plain)]
+    x = torch.randn(8, 32).bfloat16()
+    for fullgraph in (False, True):
+        loss = refused(x).float().pow(2).mean()
+        with pytest.raises(RuntimeError, match=r"cpu_offload: .*compiled autograd.* offload='full'"):
+            with compiled_autograd._enable(torch.compile(backend="eager", fullgraph=fullgraph)):
+                loss.backward()
+    for model, off in zip((refused, plain), offs):
+        model(x).float().pow(2).mean().backward()
+        off.step()
+        off.zero_grad()
+    for (name, got), want in zip(refused.named_parameters(), plain.parameters()):
+        assert torch.equal(got, want), name
+    for off in offs:
+        off.close()

@@ -441,6 +441,30 @@ def test_weights_edited_outside_the_optimizer_win_under_fsdp2(gloo_group, edit, 
     assert float(masters["one process"][1].norm()) < 0.8 * float(masters["one process, not edited"][1].norm())
 
 
+def test_model_to_of_an_fsdp2_model_swaps_its_parameters_as_without_full_offload(gloo_group):
+    """Module._apply swaps DTensor parameters (torch.utils.swap_tensors), which refuses a tensor
+    that has a weak reference, and full offload's registry of owned parameters held one:
+    model.to("cpu") of an FSDP2 model (a move to where it already is, as set-up code calls it)
+    raised torch's "Couldn't swap Linear.weight". It now moves, and trains as if not called."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from cpu_offload import offload_optimizer
+
+    mesh = init_device_mesh("cpu", (1,))
+    masters = {}
+    for run in ("not moved", "moved"):
+        model = _shard(make_model(), mesh)
+        opt = offload_optimizer(make_opt(model), offload="full", grad_accum_steps=ACCUM, pinned_bytes=1 << 15,
+                                num_slots=2)
+        train(model, opt, range(1))
+        if run == "moved":
+            model.to("cpu")
+        train(model, opt, range(1, 3))
+        masters[run] = [e["master"].full_tensor() for e in opt.state_dict()["state"].values()]
+        opt.close()
+    assert all(torch.equal(a, b) for a, b in zip(masters["moved"], masters["not moved"]))
+
+
 def test_a_weight_edited_after_the_last_backward_raises_under_fsdp2(gloo_group):
     """FSDP2 moves only the DTensor's version counter on an in-place edit: step() still sees
     an edit made after the window's last backward had stepped the weight, and undoes it."""

@@ -176,6 +176,28 @@ def test_a_gradient_left_in_param_grad_at_wrapping_is_refused_and_leaves_everyth
     off.close()
 
 
+def test_a_graph_recorded_before_wrapping_is_refused_naming_that_not_fsdp2():
+    """A forward before wrapping and its backward after it, on a model without FSDP2: the graph
+    recorded fp32 weights, so the gradients come fp32 to bf16 compute copies. The refusal said
+    "an FSDP2 model must be wrapped ... before its first forward pass"; it now names the graph
+    recorded before the cast and says to run the forward again, which then steps."""
+    model, opt = build("adamw")
+    grads = capture(model)  # registered first: runs before the offload hook
+    loss = model(torch.randn(4, 24)).pow(2).mean()
+    off = FullCPUOffloadOptimizer(opt, **SMALL)
+    with pytest.raises(RuntimeError, match=r"param_groups\[0\]\[\d\] is torch.float32 but its compute copy is "
+                                           r"torch.bfloat16: the backward's graph was recorded by a forward before "
+                                           r"offload_optimizer cast the weights.*forward again"):
+        loss.backward()
+    before = snapshot(off)
+    grads.clear()
+    with pytest.warns(RuntimeWarning, match="backward pass 1 of 1 raised; 0 of 8 parameters"):
+        train_step(model, off, 1, 1)
+    off.step()
+    check_stepped_once(model, off, before, grads, 1.0, "the forward run again after wrapping")
+    off.close()
+
+
 def test_zero_gradients_left_at_wrapping_are_held_as_zero_grad_leaves_them():
     """``zero_grad(set_to_none=False)`` after a backward, then wrapping: the zero gradients stay
     in .grad in torch, so a parameter without a gradient in the next window is still stepped

@@ -8,6 +8,7 @@
 import contextlib
 import copy
 import gc
+import io
 import os
 import re
 import sys
@@ -913,10 +914,14 @@ def test_step_with_no_backward_after_zero_grad_set_to_none_false_steps_the_zero_
 
 
 def test_unfrozen_parameter_is_refused_clearly():
+    """The refusal names the parameter, as the others do: after model.requires_grad_(True) on a
+    model with many frozen parameters the user must know which to freeze again."""
     h = Harness(freeze=("l1.weight",))
     h.train_normally(1)
     h.model.l1.weight.requires_grad_(True)
-    with pytest.raises(RuntimeError, match="frozen .* when the optimizer was wrapped now requires grad"):
+    index = next(i for i, p in enumerate(h.opt.param_groups[0]["params"]) if p is h.model.l1.weight)
+    with pytest.raises(RuntimeError, match=rf"param_groups\[0\]\[{index}\], frozen .* when the optimizer was "
+                                           r"wrapped, now requires grad"):
         h.backward()
     h.model.l1.weight.requires_grad_(False)
     with pytest.warns(RuntimeWarning):
@@ -947,12 +952,30 @@ def test_wrapping_twice_is_refused():
     with pytest.raises(RuntimeError, match="already driven by another full-offload optimizer"):
         FullCPUOffloadOptimizer(torch.optim.AdamW(model.l1.parameters()), **SMALL)
     first.close()
-    with pytest.raises(RuntimeError, match=r"was cast from torch.float32 to torch.bfloat16 by an earlier.*was closed "
-                                           r"or dropped.*model.to\(torch.float32\) and load a state_dict\(\) saved"):
+    with pytest.raises(RuntimeError, match=r"was cast from torch.float32 to torch.bfloat16 by a full-offload "
+                                           r"optimizer.*model.to\(torch.float32\) and load a state_dict\(\) saved"):
         FullCPUOffloadOptimizer(torch.optim.AdamW(model.parameters()), **SMALL)
     del first
     model.float()  # the user accepts bf16-exact values as the new fp32 weights
     FullCPUOffloadOptimizer(torch.optim.AdamW(model.parameters()), **SMALL).close()
+
+
+def test_a_pickled_copy_of_a_model_in_training_is_refused_without_calling_its_optimizer_gone():
+    """torch.save/torch.load of a model whose full-offload optimizer still trains keeps the
+    cast mark, and wrapping the copy is refused; the message said the optimizer "was closed or
+    dropped" while it was alive. It now names the optimizer of the model the copy came from."""
+    torch.manual_seed(0)
+    model = Net()
+    live = FullCPUOffloadOptimizer(torch.optim.AdamW(model.parameters()), **SMALL)
+    buffer = io.BytesIO()
+    torch.save(model, buffer)
+    buffer.seek(0)
+    restored = torch.load(buffer, weights_only=False)
+    with pytest.raises(RuntimeError, match=r"by a full-offload optimizer \(this model's, or that of the model it was "
+                                           r"pickled from\)") as refused:
+        FullCPUOffloadOptimizer(torch.optim.AdamW(restored.parameters()), **SMALL)
+    assert "closed or dropped" not in str(refused.value)
+    live.close()
 
 
 def test_rewrapping_a_model_cast_from_fp16_is_refused():
@@ -965,7 +988,7 @@ def test_rewrapping_a_model_cast_from_fp16_is_refused():
     first.close()
     del first
     assert model[0].weight.dtype == torch.bfloat16
-    with pytest.raises(RuntimeError, match=r"was cast from torch.float16 to torch.bfloat16 by an earlier.*"
+    with pytest.raises(RuntimeError, match=r"was cast from torch.float16 to torch.bfloat16 by a full-offload optimizer.*"
                                            r"model.to\(torch.float16\)"):
         FullCPUOffloadOptimizer(torch.optim.AdamW(model.parameters()), **SMALL)
     model.float()  # not the dtype it was cast from: still the bf16 values

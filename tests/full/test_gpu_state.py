@@ -98,6 +98,20 @@ def test_the_fused_step_check_accepts_the_reference_operations_and_names_what_fa
         "RuntimeError: no kernel image is available for execution on the device")
 
 
+def test_the_fused_step_check_refuses_a_kernel_that_flushes_subnormals():
+    """Moments decay into float32's subnormal range where gradients stay zero (a rare token's
+    embedding row: 0.9**810 * 1e-3 < 2**-126), and a kernel compiled to flush subnormals to zero
+    would step those parameters unlike the host kernel. The check's data held no subnormal, so
+    such a kernel passed it."""
+    def flushes_subnormals(p, grad, m, v, *args, **kwargs):
+        device_state.adamw_piece_(p, grad, m, v, *args, **kwargs)
+        for t in (p, m, v):
+            t[t.abs() < torch.finfo(torch.float32).tiny] = 0.0
+
+    reason = device_state.check_fused_step(torch.device("cpu"), fused=flushes_subnormals)
+    assert reason is not None and "differs from the reference's operations with torch.float32 moments" in reason
+
+
 @pytest.fixture
 def fresh_fused_check():
     device_state._fused_step_usable.cache_clear()

@@ -37,12 +37,16 @@ def edit(model, names=EDITED, *, seed=3):
 
 
 def with_masters(before, off, model, values):
-    """``snapshot`` ``before`` with the masters of the edited parameters set to their edited values."""
+    """``snapshot`` ``before`` with the masters of the edited parameters taking their edited
+    values, element by element where those differ from round(master) in their bits."""
     out = dict(before)
     for n, v in values.items():
         rec = named(model, off)[n]
-        _, exp_avg, exp_avg_sq, step = before[rec.name]
-        out[rec.name] = (v.float().reshape(-1), exp_avg, exp_avg_sq, step)
+        master, exp_avg, exp_avg_sq, step = before[rec.name]
+        v = v.reshape(-1)
+        bits = {2: torch.int16, 4: torch.int32}[v.element_size()]
+        changed = v.view(bits) != master.to(v.dtype).view(bits)
+        out[rec.name] = (torch.where(changed, v.float(), master), exp_avg, exp_avg_sq, step)
     return out
 
 
@@ -65,6 +69,63 @@ def warm_up(kind="adamw", k=2, **opts):
     off.zero_grad()
     grads.clear()
     return model, off, grads
+
+
+@pytest.mark.parametrize("k", [1, 2])
+def test_a_partial_edit_takes_the_elements_it_changed_and_keeps_the_others_fp32_bits(k):
+    """An edit of part of a weight (a padding row kept at zero after each step,
+    nn.Embedding(max_norm=...)'s in-place renormalisation, a mask) replaced the whole master by
+    the compute copy: every element the edit did not touch lost its fp32 bits at each edit, and
+    updates smaller than a bf16 step were rounded away for good. The master now takes the
+    changed elements only: torch's step() on fp32 weights edited so, bit for bit."""
+    model, off, grads = warm_up(k=k)
+    rec = named(model, off)["l2.weight"]
+    assert not torch.equal(rec.master, rec.master.to(torch.bfloat16).float())  # bits below bf16 to lose
+    before = snapshot(off)
+    for m in range(k):
+        if m == k - 1:  # before the window's last pass: for k=2, between its two passes
+            with torch.no_grad():
+                model.l2.weight[0].zero_()
+        backward_pass(model, 1, m, k)
+    off.step()
+    edited = before[rec.name][0].clone().view(model.l2.weight.shape)
+    edited[0] = 0
+    _, exp_avg, exp_avg_sq, step = before[rec.name]
+    check_stepped_once(model, off, {**before, rec.name: (edited.reshape(-1), exp_avg, exp_avg_sq, step)}, grads, 1.0,
+                       "a row zeroed")
+    off.close()
+
+
+def test_load_state_dict_under_swap_on_conversion_loads_and_names_the_hooks_torch_drops():
+    """With torch.__future__.set_swap_module_params_on_conversion(True), model.load_state_dict
+    swaps each parameter (torch.utils.swap_tensors), which refuses a tensor that has a weak
+    reference, and full offload's registry of owned parameters held one: the load raised
+    torch's "Cannot swap t1 because it has weakref associated with it". It now loads. The swap
+    drops the parameters' hooks (torch's own behaviour), so the next window's gradients bypass
+    full offload: its step() says so, registers them again, and the windows after train as
+    after a load that copies."""
+    masters = []
+    for swap in (False, True):
+        model, off, _ = warm_up(k=1)
+        halved = {n: v * 0.5 for n, v in model.state_dict().items()}
+        torch.__future__.set_swap_module_params_on_conversion(swap)
+        try:
+            model.load_state_dict(halved)
+        finally:
+            torch.__future__.set_swap_module_params_on_conversion(False)
+        if swap:
+            train_step(model, off, 1, 1)
+            with pytest.raises(RuntimeError, match=r"reached param.grad without passing through full offload's hooks, "
+                                                   r".*hooks had been removed from .*swap_tensors drops a tensor's "
+                                                   r"hooks.*registered again for the next windows"):
+                off.step()
+            off.zero_grad()
+        train_step(model, off, 1, 1)
+        off.step()
+        masters.append({n: rec.master.clone() for n, rec in named(model, off).items()})
+        off.close()
+    assert masters[0].keys() == masters[1].keys()
+    assert all(torch.equal(masters[0][n], masters[1][n]) for n in masters[0]), "swapped load"
 
 
 @pytest.mark.parametrize("kind, where", [

@@ -1,7 +1,8 @@
 # The fused device AdamW kernel (cpu_offload/_full/device_kernel.py), on CUDA (marked gpu,
-# skipped without CUDA): on fresh random data over a wide exponent range, at sizes around
-# its block, with fp32 and bf16 moments and gradients, it equals the readable reference on
-# the CPU bit for bit (master, moments, compute copy); the device step uses it.
+# skipped without CUDA): on fresh random data over a wide exponent range, subnormals
+# included, at sizes around its block, with fp32 and bf16 moments and gradients, it equals
+# the readable reference on the CPU bit for bit (master, moments, compute copy); the device
+# step uses it.
 # Run: pytest -m gpu tests/gpu/test_device_kernel.py
 import pytest
 import torch
@@ -40,6 +41,8 @@ def test_fused_adamw_equals_the_cpu_reference_bit_for_bit(n, state_dtype, grad_d
         g = spread(n, gen, -30, 6).to(grad_dtype)
         m = spread(n, gen, -30, 0).to(state_dtype)
         v = (spread(n, gen, -60, -4) ** 2).to(state_dtype)
+        for t in (p, g, m, v):             # a quarter subnormal: moments decayed where gradients stay zero
+            t[torch.rand(n, generator=gen) < 0.25] *= 2.0 ** -125
         g[: n // 5] = 0.0                  # zero gradients and a zero second moment
         v[: n // 7] = 0.0
         dev = [t.cuda() for t in (p, g, m, v)]
