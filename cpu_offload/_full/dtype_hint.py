@@ -6,8 +6,9 @@
 # ends (it calls ``remove()``), two process-wide module hooks watch forward passes; a
 # dtype-mismatch error that mentions bfloat16 gets a note saying what happened and what to
 # do (autocast, or bf16 inputs). Where the innermost failing module got no input wider than
-# bf16 but holds frozen parameters that are (left as they were beside the cast ones), the
-# note names them instead. Then training steps pay nothing.
+# bf16 but holds frozen parameters or buffers that are (left as they were beside the cast
+# ones, such as spectral_norm's vectors), the note names them instead. Then training steps
+# pay nothing.
 # NOTE: torch.compile compiles a module for the process-wide hooks present; a forward run
 # while they are and its checkpointed recompute run once they are gone would differ. So
 # they stay until a backward ends, and go at once, with no hint given, before an outermost
@@ -32,10 +33,10 @@ __all__ = ["HINT", "add_note", "watch_first_forward"]
 HINT = ("cpu_offload: offload='full' cast the model's trainable parameters to {dtype} in place (the fp32 master "
         "weights live in host RAM), so fp32 inputs no longer match them: run the forward under "
         "torch.autocast(device_type, dtype={dtype}), or give the model {dtype} inputs")
-FROZEN_HINT = ("cpu_offload: offload='full' cast the model's trainable parameters to {dtype} in place (the fp32 "
-               "master weights live in host RAM) and left frozen ones as they were, so {module}'s frozen {frozen} "
-               "no longer {verb} the {dtype} parameters and activations: run the forward under "
-               "torch.autocast(device_type, dtype={dtype}), or cast those frozen parameters to {dtype}")
+WIDE_HINT = ("cpu_offload: offload='full' cast the model's trainable parameters to {dtype} in place (the fp32 "
+             "master weights live in host RAM) and left frozen ones and buffers as they were, so {module}'s {wide} "
+             "no longer {verb} the {dtype} parameters and activations: run the forward under "
+             "torch.autocast(device_type, dtype={dtype}), or cast those to {dtype}")
 _PREFIX = "cpu_offload: offload='full' cast"
 
 
@@ -45,11 +46,20 @@ def _is_dtype_mismatch(exc: BaseException, dtype: torch.dtype) -> bool:
     return isinstance(exc, RuntimeError) and name in text and "float" in text.replace(name, "")
 
 
-def _frozen_wider(module: torch.nn.Module, dtype: torch.dtype) -> list[str]:
-    """The module's own frozen floating-point parameters wider than ``dtype``."""
-    return [f"{name} ({p.dtype})"
-            for name, p in module.named_parameters(recurse=False)
-            if not p.requires_grad and p.is_floating_point() and p.dtype.itemsize > dtype.itemsize]
+def _wider(module: torch.nn.Module, dtype: torch.dtype) -> tuple[str, int]:
+    """The module's own frozen floating-point parameters and buffers wider than ``dtype``
+    (a parametrization's, such as spectral_norm's power-iteration vectors), as the note names
+    them, and how many."""
+    def wide(t):
+        return t is not None and t.is_floating_point() and t.dtype.itemsize > dtype.itemsize
+    frozen = [f"{n} ({p.dtype})" for n, p in module.named_parameters(recurse=False) if not p.requires_grad and wide(p)]
+    buffers = [f"{n} ({b.dtype})" for n, b in module.named_buffers(recurse=False) if wide(b)]
+    said = []
+    if frozen:
+        said.append("frozen " + ", ".join(frozen))
+    if buffers:
+        said.append(("buffers " if len(buffers) > 1 else "buffer ") + ", ".join(buffers))
+    return " and ".join(said), len(frozen) + len(buffers)
 
 
 def _explain(exc: BaseException, dtype: torch.dtype, module: torch.nn.Module, wide_inputs: bool) -> None:
@@ -58,9 +68,9 @@ def _explain(exc: BaseException, dtype: torch.dtype, module: torch.nn.Module, wi
     if any(str(n).startswith(_PREFIX) for n in getattr(exc, "__notes__", ())) or (
             exc.args and _PREFIX in str(exc.args[0])) or not _is_dtype_mismatch(exc, dtype):
         return
-    frozen = [] if wide_inputs else _frozen_wider(module, dtype)
-    add_note(exc, FROZEN_HINT.format(dtype=dtype, module=type(module).__name__, frozen=", ".join(frozen),
-                                     verb="matches" if len(frozen) == 1 else "match") if frozen
+    wide, count = ("", 0) if wide_inputs else _wider(module, dtype)
+    add_note(exc, WIDE_HINT.format(dtype=dtype, module=type(module).__name__, wide=wide,
+                                   verb="matches" if count == 1 else "match") if count
              else HINT.format(dtype=dtype))
 
 

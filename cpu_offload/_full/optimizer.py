@@ -556,9 +556,10 @@ class FullCPUOffloadOptimizer(WindowControls, torch.optim.Optimizer):
                             "(build nn.Embedding / EmbeddingBag with sparse=False)")
         if rec.arrived == self._proto.micro:
             raise RuntimeError(
-                f"the gradient of {rec.name} arrived twice in one backward pass. A parameter used in several "
-                "reentrant activation-checkpoint segments (torch.utils.checkpoint(..., use_reentrant=True)) gets its "
-                "gradient in parts, one per segment's own backward, and full offload steps it at the first: use "
+                f"the gradient of {rec.name} arrived twice in one backward pass. A parameter used in a reentrant "
+                "activation-checkpoint segment (torch.utils.checkpoint(..., use_reentrant=True)) and again elsewhere "
+                "in the same backward (another segment, or outside any) gets its gradient in parts, one per "
+                "segment's own backward, and full offload steps it at the first: use "
                 "use_reentrant=False (HF: gradient_checkpointing_enable(gradient_checkpointing_kwargs="
                 "{'use_reentrant': False})). After a backward that was interrupted and whose exception is still "
                 "held, call zero_grad() first")
@@ -583,6 +584,20 @@ class FullCPUOffloadOptimizer(WindowControls, torch.optim.Optimizer):
         rec.has_accum = self._accumulate
         rec.holds_grad = True
         param.grad = None  # the device copy of the gradient is no longer needed
+        if not self._proto.warned_late_hook:
+            self._warn_late_hook(rec, param)
+
+    def _warn_late_hook(self, rec, param) -> None:
+        """A post-accumulate-grad hook registered after ours runs after the gradient has left
+        the device, and sees ``param.grad`` None (one guarded on None does nothing). Said once."""
+        hooks = param._post_accumulate_grad_hooks
+        if hooks and next(reversed(hooks)) != rec.hook.id:
+            self._proto.warned_late_hook = True
+            warnings.warn(
+                f"cpu_offload: a post-accumulate-grad hook registered on {rec.name!r} after offload_optimizer runs "
+                "after full offload has taken that gradient off the device, so it sees param.grad None (hooks run "
+                "in the order they were registered): register it before wrapping", RuntimeWarning,
+                stacklevel=_user_stacklevel())
 
     def _begin_backward(self) -> None:
         self._land()

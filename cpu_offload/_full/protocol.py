@@ -90,6 +90,7 @@ class ProtocolState:
     warned_grads_left: bool = False
     warned_zero_grad: bool = False
     warned_no_gradient: bool = False  # step() with no gradient since the last one: said once
+    warned_late_hook: bool = False  # a gradient hook registered after ours, which sees None: said once
     blocked_s: float = 0.0
     last_stats: dict = field(default_factory=dict)
     # overlap_forward: step() returned with the window's last chunks in flight; they land

@@ -4,6 +4,7 @@
 import copy
 import io
 import os
+import re
 import time
 import warnings
 
@@ -195,6 +196,39 @@ def test_a_graph_recorded_before_wrapping_is_refused_naming_that_not_fsdp2():
         train_step(model, off, 1, 1)
     off.step()
     check_stepped_once(model, off, before, grads, 1.0, "the forward run again after wrapping")
+    off.close()
+
+
+def test_a_gradient_hook_registered_after_wrapping_is_warned_once_that_it_sees_none():
+    """Post-accumulate-grad hooks run in registration order and full offload's takes the
+    gradient off the device: one registered after wrapping found param.grad None, so a hook
+    guarded on None did nothing, with no word. Now the first backward warns once, naming the
+    parameter; a hook registered before wrapping sees the gradient and gets no warning."""
+    model, opt = build("adamw")
+    seen = {}
+
+    def first_look(key):  # whether the hook's first call saw a gradient
+        return lambda p: seen.__setitem__(key, seen.get(key, p.grad is not None))
+
+    model.l1.bias.register_post_accumulate_grad_hook(first_look("before"))
+    off = FullCPUOffloadOptimizer(opt, **SMALL)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        train_step(model, off, 0, 1)
+    off.step()
+    off.zero_grad()
+    model.l2.weight.register_post_accumulate_grad_hook(first_look("after"))
+    name = named(model, off)["l2.weight"].name
+    with pytest.warns(RuntimeWarning, match=rf"post-accumulate-grad hook registered on {re.escape(repr(name))} after "
+                                            r"offload_optimizer .* sees param.grad None.* before wrapping"):
+        train_step(model, off, 1, 1)
+    off.step()
+    off.zero_grad()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # said once
+        train_step(model, off, 2, 1)
+    off.step()
+    assert seen == {"before": True, "after": False}
     off.close()
 
 
@@ -1085,7 +1119,8 @@ def test_a_weight_shared_by_reentrant_checkpoint_segments_is_refused_naming_the_
     off = FullCPUOffloadOptimizer(torch.optim.AdamW(model.parameters(), lr=1e-2), **SMALL)
     x = torch.randn(4, 16)
     with pytest.raises(RuntimeError, match=r"gradient of param_groups\[0\]\[[23]\] arrived twice .* reentrant "
-                                           r"activation-checkpoint segments .* use_reentrant=False"):
+                                           r"activation-checkpoint segment .* and again elsewhere in the same "
+                                           r"backward .* use_reentrant=False"):
         model(x.bfloat16(), True).float().pow(2).mean().backward()
     with pytest.warns(RuntimeWarning, match="backward pass 1 of 1 raised"):  # what was stepped stays, as after any failure
         off.close()
