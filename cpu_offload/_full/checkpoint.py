@@ -21,7 +21,7 @@ from typing import Optional
 import torch
 
 from cpu_offload._common.checks import item_of
-from cpu_offload._full.host_state import write_compute_copies
+from cpu_offload._full.host_state import take_changed_elements, write_compute_copies
 from cpu_offload._full.options import read_hparams
 from cpu_offload._full.state_mapping import HOST_STATE_KEPT, MASTER_STEP, host_value, saved_entry, step_value
 
@@ -228,10 +228,9 @@ def load_state_dict(opt, sd: dict) -> None:
                 flat = getattr(rec, key)
                 if flat is not None and key not in tensors:
                     flat.zero_()
-            if "master" not in tensors:  # the weights decide, unless they are round(master)
+            if "master" not in tensors:  # the weights decide, where they are not round(master)
                 current = rec.local().detach().reshape(-1).to(rec.master.device)
-                if not torch.equal(current, rec.master.to(current.dtype)):
-                    tensors["master"] = current
+                if take_changed_elements(rec, current):
                     rec.master_from_weights = current.dtype != torch.float32
                 # NOTE: also a master taken from such weights before (a state_dict() read takes
                 # weights loaded since wrapping): it has no more bits than they have

@@ -35,8 +35,11 @@ HINT = ("cpu_offload: offload='full' cast the model's trainable parameters to {d
         "torch.autocast(device_type, dtype={dtype}), or give the model {dtype} inputs")
 WIDE_HINT = ("cpu_offload: offload='full' cast the model's trainable parameters to {dtype} in place (the fp32 "
              "master weights live in host RAM) and left frozen ones and buffers as they were, so {module}'s {wide} "
-             "no longer {verb} the {dtype} parameters and activations: run the forward under "
-             "torch.autocast(device_type, dtype={dtype}), or cast those to {dtype}")
+             "no longer {verb} the {dtype} parameters and activations: {remedy}")
+_FROZEN_REMEDY = ("run the forward under torch.autocast(device_type, dtype={dtype}), or cast those frozen parameters "
+                  "to {dtype}")
+_BUFFER_REMEDY = ("cast those to {dtype} (the module's .to({dtype})), or keep the parameters beside them in fp32 "
+                  "(offload_optimizer(..., keep_fp32=[...]), under torch.autocast)")
 _PREFIX = "cpu_offload: offload='full' cast"
 
 
@@ -46,20 +49,24 @@ def _is_dtype_mismatch(exc: BaseException, dtype: torch.dtype) -> bool:
     return isinstance(exc, RuntimeError) and name in text and "float" in text.replace(name, "")
 
 
-def _wider(module: torch.nn.Module, dtype: torch.dtype) -> tuple[str, int]:
-    """The module's own frozen floating-point parameters and buffers wider than ``dtype``
-    (a parametrization's, such as spectral_norm's power-iteration vectors), as the note names
-    them, and how many."""
+def _wide_note(module: torch.nn.Module, dtype: torch.dtype) -> str | None:
+    """The note naming the module's own frozen floating-point parameters and buffers wider
+    than ``dtype`` (a parametrization's, such as spectral_norm's power-iteration vectors, or
+    BatchNorm's running statistics), or None without any."""
     def wide(t):
         return t is not None and t.is_floating_point() and t.dtype.itemsize > dtype.itemsize
     frozen = [f"{n} ({p.dtype})" for n, p in module.named_parameters(recurse=False) if not p.requires_grad and wide(p)]
     buffers = [f"{n} ({b.dtype})" for n, b in module.named_buffers(recurse=False) if wide(b)]
+    if not frozen and not buffers:
+        return None
     said = []
     if frozen:
         said.append("frozen " + ", ".join(frozen))
     if buffers:
         said.append(("buffers " if len(buffers) > 1 else "buffer ") + ", ".join(buffers))
-    return " and ".join(said), len(frozen) + len(buffers)
+    return WIDE_HINT.format(dtype=dtype, module=type(module).__name__, wide=" and ".join(said),
+                            verb="matches" if len(frozen) + len(buffers) == 1 else "match",
+                            remedy=(_BUFFER_REMEDY if buffers else _FROZEN_REMEDY).format(dtype=dtype))
 
 
 def _explain(exc: BaseException, dtype: torch.dtype, module: torch.nn.Module, wide_inputs: bool) -> None:
@@ -68,10 +75,7 @@ def _explain(exc: BaseException, dtype: torch.dtype, module: torch.nn.Module, wi
     if any(str(n).startswith(_PREFIX) for n in getattr(exc, "__notes__", ())) or (
             exc.args and _PREFIX in str(exc.args[0])) or not _is_dtype_mismatch(exc, dtype):
         return
-    wide, count = ("", 0) if wide_inputs else _wider(module, dtype)
-    add_note(exc, WIDE_HINT.format(dtype=dtype, module=type(module).__name__, wide=wide,
-                                   verb="matches" if count == 1 else "match") if count
-             else HINT.format(dtype=dtype))
+    add_note(exc, (None if wide_inputs else _wide_note(module, dtype)) or HINT.format(dtype=dtype))
 
 
 def add_note(exc: BaseException, note: str) -> None:

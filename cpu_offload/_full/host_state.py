@@ -22,7 +22,8 @@ from cpu_offload._common.dtensor import is_dtensor, local_of
 __all__ = [
     "ParamRecord", "HostBuffers", "collect_records", "check_fsdp_not_started", "host_bytes_needed",
     "available_host_ram", "check_host_ram", "allocate_host_state", "cast_param", "cast_to_compute", "restore_dtypes",
-    "note_versions", "check_moved_storage", "adopt_external_weights", "adopt_edits_before_step", "write_compute_copies", "show_steps",
+    "note_versions", "check_moved_storage", "take_changed_elements", "adopt_external_weights", "adopt_edits_before_step",
+    "write_compute_copies", "show_steps",
 ]
 
 # Elements per 64-byte line of fp32: every per-parameter view starts aligned.
@@ -445,9 +446,10 @@ def note_versions(records: Iterable[ParamRecord]) -> None:
         rec.version = _version_of(rec)
 
 
-def _external_change(rec: ParamRecord) -> Optional[torch.Tensor]:
-    """The compute copy's values (flat, on the master's device) when they were changed
-    outside the optimizer since the library last wrote them, else None.
+def _external_change(rec: ParamRecord) -> Optional[tuple[torch.Tensor, torch.Tensor]]:
+    """The compute copy's values (flat, on the master's device) and where they differ from
+    round(master), when they were changed outside the optimizer since the library last
+    wrote them, else None.
 
     NOTE: a changed version counter or storage alone is not a change of values
     (FSDP2 re-pads its shards at its first forward): it counts only when the compute
@@ -475,30 +477,45 @@ def _external_change(rec: ParamRecord) -> Optional[torch.Tensor]:
             "and full offload copies parameters as flat ranges; keep the parameters contiguous "
             "(model.to(memory_format=torch.contiguous_format)): channels_last inputs work with them")
     current = rec.local().detach().reshape(-1).to(rec.master.device)
-    if torch.equal(current, rec.master.to(current.dtype)):
+    changed = _changed_elements(rec, current)
+    if not changed.any():
         rec.version = version
         return None
-    return current
+    return current, changed
+
+
+def _changed_elements(rec: ParamRecord, current: torch.Tensor) -> torch.Tensor:
+    """Where ``current`` (the compute copy, flat, on the master's device) differs from
+    round(master) in its bits: a sign flipped at zero and a NaN's payload count."""
+    bits = _SAME_WIDTH_INT[current.dtype]
+    return current.view(bits) != rec.master.to(current.dtype).view(bits)
+
+
+def take_changed_elements(rec: ParamRecord, current: torch.Tensor, changed: Optional[torch.Tensor] = None) -> bool:
+    """The master takes the elements of ``current`` (``changed``: where they differ from
+    round(master), computed when None) exactly, as fp32 holds every bf16 value; the others
+    keep their fp32 bits. Returns whether any element was taken.
+
+    NOTE: per element, not per tensor: an edit of part of a weight (a padding row zeroed
+    after each step, nn.Embedding(max_norm=...) renormalising the rows it looks up) would
+    otherwise round every master of the tensor at each edit. The price: an element written
+    with the value it already rounded to keeps its master's low bits (a checkpoint of bf16
+    weights loaded after training; the optimizer's state_dict() holds the masters exactly)."""
+    changed = _changed_elements(rec, current) if changed is None else changed
+    torch.where(changed, current, rec.master, out=rec.master)
+    return bool(changed.any())
 
 
 def adopt_external_weights(records: Iterable[ParamRecord]) -> None:
     """Weights changed outside the optimizer (``model.load_state_dict``, an
-    in-place edit, ``.data =``) win over stale masters, element by element: an element
-    whose compute copy differs from round(master) takes that value (bf16-exact from a bf16
-    compute copy), the others keep their fp32 bits.
-
-    NOTE: per element, not per tensor: an edit of part of a weight (a padding row zeroed
-    after each step, nn.Embedding(max_norm=...) renormalising the rows it looks up) would
-    otherwise round every master of the tensor at each edit. Compared bit for bit, so a
-    sign flipped at zero or a NaN's payload counts as a change."""
+    in-place edit, ``.data =``) win over stale masters, element by element
+    (``take_changed_elements``)."""
     for rec in records:
-        current = _external_change(rec)
-        if current is not None:
-            bits = _SAME_WIDTH_INT[current.dtype]
-            changed = current.view(bits) != rec.master.to(current.dtype).view(bits)
-            torch.where(changed, current.to(rec.master.dtype), rec.master, out=rec.master)
+        change = _external_change(rec)
+        if change is not None:
+            take_changed_elements(rec, *change)
             rec.version = _version_of(rec)
-            rec.master_from_weights = current.dtype != torch.float32
+            rec.master_from_weights = change[0].dtype != torch.float32
 
 
 def adopt_edits_before_step(records: Iterable[ParamRecord]) -> list[ParamRecord]:

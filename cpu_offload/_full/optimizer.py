@@ -426,7 +426,10 @@ class FullCPUOffloadOptimizer(WindowControls, torch.optim.Optimizer):
                                       norm_slots=1 + max(r.index for r in records) if tracking else 0,
                                       forward_order=overlap, trace=trace)
             ref = weakref.ref(self)
-            self._hook_grads(records)
+            for rec in records:
+                rec.hook = rec.param.register_post_accumulate_grad_hook(
+                    lambda param, rec=rec: None if (w := ref()) is None else w._on_grad(rec, param))
+                rec.hooked_tensor = rec.param._cdata
             # NOTE: what follows registers the wrapper (its parameters' owner, their cast marks,
             # the forward waits, the finalizer). It is quick, so a Ctrl-C waits for its end and
             # is then undone below like any failure: else the parameters stayed owned by a
@@ -526,7 +529,7 @@ class FullCPUOffloadOptimizer(WindowControls, torch.optim.Optimizer):
             raise
 
     def _take_grad(self, rec, param) -> None:
-        if torch.compiler.is_compiling() or _in_compiled_autograd():
+        if torch.compiler.is_dynamo_compiling() or _in_compiled_autograd():
             # NOTE: first, before anything that dynamo would trace: compiled autograd traces
             # this hook into its backward graph, where the pipeline cannot run
             raise RuntimeError(
@@ -610,6 +613,7 @@ class FullCPUOffloadOptimizer(WindowControls, torch.optim.Optimizer):
         watch_backward(lambda: None if (w := ref()) is None else w._backward_ended(gen),
                        lambda: None if (w := ref()) is None else w._backward_died(gen))
         self._proto.move(Phase.BACKWARD)
+        self._rearm_hooks([rec for rec in self._records if rec.param._cdata != rec.hooked_tensor])
         if new_window or self._proto.final:
             # NOTE: also before the window's last pass, whose chunks read each group's
             # hyper-parameters by its index: groups changed between two passes would step them
@@ -1260,38 +1264,38 @@ class FullCPUOffloadOptimizer(WindowControls, torch.optim.Optimizer):
                 "it (a group or parameter added, removed or replaced); full offload built its host state at "
                 "construction: give the optimizer every parameter before wrapping it")
 
-    def _hook_grads(self, records) -> None:
-        """Take each record's gradient in a post-accumulate-grad hook (``_on_grad``)."""
-        ref = weakref.ref(self)
+    @staticmethod
+    def _rearm_hooks(records) -> None:
+        """Register the records' gradient hooks on the tensors their parameters hold now.
+
+        NOTE: torch.utils.swap_tensors gives a parameter another C++ tensor, without its hooks
+        (Module._apply and load_state_dict swap under set_swap_module_params_on_conversion).
+        The parameter keeps its dict of them, and setting it again registers it on the new
+        tensor, every hook in it; setting it twice is harmless."""
         for rec in records:
-            rec.hook = rec.param.register_post_accumulate_grad_hook(
-                lambda param, rec=rec: None if (w := ref()) is None else w._on_grad(rec, param))
+            rec.param._post_accumulate_grad_hooks = rec.param._post_accumulate_grad_hooks
             rec.hooked_tensor = rec.param._cdata
 
     def _check_no_bypassed_grads(self) -> None:
         """A gradient left in ``param.grad`` never reached the hooks: it would be lost silently.
-        NOTE: torch.utils.swap_tensors drops a tensor's hooks, and Module._apply and
-        load_state_dict swap parameters under set_swap_module_params_on_conversion(True):
-        such a parameter gets its hooks back, for the windows after this one."""
+        Those parameters get their hooks again (``_rearm_hooks``), for the windows after this
+        one. NOTE: again whether or not the tensor looks swapped: the address a swap gives
+        may be the old one's."""
         left = [rec for rec in self._records if rec.param.grad is not None]
         if not left:
             return
-        unhooked = [rec for rec in left if rec.param._cdata != rec.hooked_tensor]
-        for rec in unhooked:
-            # NOTE: the parameter kept its dict of these hooks, which its new C++ tensor does not
-            # call: setting it again registers it there (with every hook in it)
-            rec.param._post_accumulate_grad_hooks = rec.param._post_accumulate_grad_hooks
-            rec.hooked_tensor = rec.param._cdata
+        swapped = [rec.name for rec in left if rec.param._cdata != rec.hooked_tensor]
+        self._rearm_hooks(left)
         names = [rec.name for rec in left]
-        cause = (f"; full offload's gradient hooks had been removed from {[rec.name for rec in unhooked][:8]}: "
-                 "torch.utils.swap_tensors drops a tensor's hooks, and model.load_state_dict() and model.to() swap "
-                 "parameters under torch.__future__.set_swap_module_params_on_conversion(True); they are registered "
-                 "again for the next windows" if unhooked else
+        cause = (f"; the hooks of {swapped[:8]} were removed by a swap" if swapped else
                  " (under FSDP2 after an exception in backward: call reset_iter_state() on the root module before the "
-                 "next forward)")
+                 "next forward; or the parameters were swapped)")
         raise RuntimeError(
             f"gradients of {names[:8]}{' ...' if len(names) > 8 else ''} reached param.grad without passing through "
-            f"full offload's hooks, so no update used them{cause}; call zero_grad() to drop them")
+            f"full offload's hooks, so no update used them{cause}. torch.utils.swap_tensors drops a tensor's hooks, "
+            "and model.load_state_dict() and model.to() swap parameters under "
+            "torch.__future__.set_swap_module_params_on_conversion(True): the hooks are registered again for the "
+            "next windows; call zero_grad() to drop these gradients")
 
     def _enter(self, *, land: bool = True) -> None:
         ownership.check_same_process(self._pid)

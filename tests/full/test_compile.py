@@ -134,3 +134,18 @@ def test_a_backward_under_compiled_autograd_is_refused_by_name_and_changes_nothi
         assert torch.equal(got, want), name
     for off in offs:
         off.close()
+
+
+def test_a_compile_flag_set_by_another_thread_does_not_refuse_this_backward(monkeypatch):
+    """torch.compiler.is_compiling() reads a process-wide flag, set while any thread compiles:
+    checked by the compiled-autograd refusal, it refused the backward of a thread that was not
+    compiling. The refusal asks whether dynamo traces this call instead."""
+    monkeypatch.setattr(torch.compiler, "is_compiling", lambda: True)  # another thread compiling
+    torch.manual_seed(0)
+    model = CheckpointedNet()
+    off = offload_optimizer(torch.optim.AdamW(model.parameters(), lr=1e-2), offload="full")
+    before = [p.detach().clone() for p in model.parameters()]
+    model(torch.randn(8, 32).bfloat16()).float().pow(2).mean().backward()
+    off.step()
+    assert all(not torch.equal(p, b) for p, b in zip(model.parameters(), before))
+    off.close()

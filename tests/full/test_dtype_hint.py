@@ -72,8 +72,8 @@ def test_a_frozen_fp32_parameter_beside_cast_ones_is_named_in_the_note():
 def test_a_buffer_wider_than_the_cast_parameters_is_named_in_the_note():
     """spectral_norm keeps fp32 buffers (_u, _v) beside the weight it parametrizes: with the
     weight cast to bf16 its forward fails on bf16 inputs and under autocast alike, and the note
-    told the user to do what they did (autocast, or bf16 inputs). It now names the buffers;
-    cast, they run."""
+    told the user to do what they did (autocast, or bf16 inputs). It now names the buffers and
+    remedies that work; cast, they run."""
     from torch.nn.utils import parametrizations
 
     torch.manual_seed(0)
@@ -85,6 +85,7 @@ def test_a_buffer_wider_than_the_cast_parameters_is_named_in_the_note():
     assert len(notes) == 1
     assert ("_SpectralNorm's buffers _u (torch.float32), _v (torch.float32) no longer match the torch.bfloat16 "
             "parameters") in notes[0]
+    assert "cast those to torch.bfloat16 (the module's .to(torch.bfloat16)), or keep the parameters" in notes[0]
     model[0].parametrizations.weight[0].to(torch.bfloat16)  # the remedy it names
     model(torch.randn(2, 8, dtype=torch.bfloat16)).float().sum().backward()
     opt.step()

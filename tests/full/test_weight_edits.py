@@ -10,6 +10,9 @@
 
 from __future__ import annotations
 
+import contextlib
+import copy
+
 import pytest
 import torch
 
@@ -26,27 +29,27 @@ def backward_pass(model, s, m, k, *, loss_factor=1.0):
 
 
 def edit(model, names=EDITED, *, seed=3):
-    """Change each named weight in place to fresh random bf16 values; return them."""
+    """Change every element of each named weight in place to a fresh random bf16 value (one
+    equal to the weight it replaces is moved up by one); return them."""
     params, g = dict(model.named_parameters()), torch.Generator().manual_seed(seed)
     values = {}
     with torch.no_grad():
         for n in names:
-            values[n] = torch.randn(params[n].shape, generator=g).to(params[n].dtype)
-            params[n].copy_(values[n])
+            value = torch.randn(params[n].shape, generator=g).to(params[n].dtype)
+            same = value == params[n]
+            value[same] = (value[same].float() + 1).to(value.dtype)
+            values[n] = value
+            params[n].copy_(value)
     return values
 
 
 def with_masters(before, off, model, values):
-    """``snapshot`` ``before`` with the masters of the edited parameters taking their edited
-    values, element by element where those differ from round(master) in their bits."""
+    """``snapshot`` ``before`` with the masters of the edited parameters set to their edited values."""
     out = dict(before)
     for n, v in values.items():
         rec = named(model, off)[n]
-        master, exp_avg, exp_avg_sq, step = before[rec.name]
-        v = v.reshape(-1)
-        bits = {2: torch.int16, 4: torch.int32}[v.element_size()]
-        changed = v.view(bits) != master.to(v.dtype).view(bits)
-        out[rec.name] = (torch.where(changed, v.float(), master), exp_avg, exp_avg_sq, step)
+        _, exp_avg, exp_avg_sq, step = before[rec.name]
+        out[rec.name] = (v.float().reshape(-1), exp_avg, exp_avg_sq, step)
     return out
 
 
@@ -96,36 +99,91 @@ def test_a_partial_edit_takes_the_elements_it_changed_and_keeps_the_others_fp32_
     off.close()
 
 
-def test_load_state_dict_under_swap_on_conversion_loads_and_names_the_hooks_torch_drops():
+def test_a_load_keeps_the_masters_of_elements_it_wrote_with_their_rounded_value_whichever_path_takes_it():
+    """The rule of element-wise adoption, for a model checkpoint loaded after training: an
+    element loaded with the value its master already rounds to keeps the master (it cannot be
+    told from one not written); every other takes the loaded value. The optimizer's
+    load_state_dict of a checkpoint without masters took whole tensors, so an
+    opt.state_dict() between the two loads (which adopts first) changed the masters."""
+    runs = []
+    for read_between in (False, True):
+        model, off, _ = warm_up(k=1)
+        saved = {n: v.clone() for n, v in model.state_dict().items()}
+        torch_state = copy.deepcopy(off.state_dict())  # as a torch AdamW's: no masters
+        for entry in torch_state["state"].values():
+            del entry["master"], entry["master_step"]
+        for s in (1, 2, 3):
+            train_step(model, off, s, 1)
+            off.step()
+            off.zero_grad()
+        trained = {n: rec.master.clone() for n, rec in named(model, off).items()}
+        model.load_state_dict(saved)
+        if read_between:
+            off.state_dict()
+        with pytest.warns(RuntimeWarning, match="has no fp32 master"):
+            off.load_state_dict(torch_state)
+        masters = {n: rec.master.clone() for n, rec in named(model, off).items()}
+        counts = [0, 0]  # elements that kept their master, that took the loaded value
+        for n in masters:
+            loaded = saved[n].reshape(-1)
+            kept = loaded == trained[n].to(loaded.dtype)
+            assert torch.equal(masters[n][kept], trained[n][kept]), n
+            assert torch.equal(masters[n][~kept], loaded[~kept].float()), n
+            assert torch.equal(masters[n].to(loaded.dtype), loaded), n  # the compute copies: what was loaded
+            counts[0] += int((kept & (trained[n] != loaded.float())).sum())
+            counts[1] += int((~kept).sum())
+        assert counts[0] > 0 and counts[1] > 0, counts  # both kinds of element occur
+        runs.append(masters)
+        off.close()
+    assert all(torch.equal(runs[0][n], runs[1][n]) for n in runs[0])
+
+
+@contextlib.contextmanager
+def swapping(on: bool):
+    """Module loads and casts swap parameters (torch.utils.swap_tensors) while ``on``."""
+    torch.__future__.set_swap_module_params_on_conversion(on)
+    try:
+        yield
+    finally:
+        torch.__future__.set_swap_module_params_on_conversion(False)
+
+
+def test_loads_that_swap_parameters_load_and_their_hooks_come_back():
     """With torch.__future__.set_swap_module_params_on_conversion(True), model.load_state_dict
     swaps each parameter (torch.utils.swap_tensors), which refuses a tensor that has a weak
     reference, and full offload's registry of owned parameters held one: the load raised
-    torch's "Cannot swap t1 because it has weakref associated with it". It now loads. The swap
-    drops the parameters' hooks (torch's own behaviour), so the next window's gradients bypass
-    full offload: its step() says so, registers them again, and the windows after train as
-    after a load that copies."""
+    torch's "Cannot swap t1 because it has weakref associated with it". It now loads. A swap
+    drops the parameter's hooks (torch's behaviour): with every parameter swapped, the next
+    window's gradients bypass full offload, and its step() says so and registers the hooks
+    again, also where the new tensor got the old one's address (six swaps); a parameter
+    swapped beside others that were not gets its hook back at the backward's first gradient,
+    before its own arrives. Each run then trains as after loads that copy."""
     masters = []
     for swap in (False, True):
         model, off, _ = warm_up(k=1)
-        halved = {n: v * 0.5 for n, v in model.state_dict().items()}
-        torch.__future__.set_swap_module_params_on_conversion(swap)
-        try:
-            model.load_state_dict(halved)
-        finally:
-            torch.__future__.set_swap_module_params_on_conversion(False)
-        if swap:
-            train_step(model, off, 1, 1)
-            with pytest.raises(RuntimeError, match=r"reached param.grad without passing through full offload's hooks, "
-                                                   r".*hooks had been removed from .*swap_tensors drops a tensor's "
-                                                   r"hooks.*registered again for the next windows"):
-                off.step()
+        for s in range(1, 7):
+            halved = {n: v * 0.5 for n, v in model.state_dict().items()}
+            with swapping(swap):
+                model.load_state_dict(halved)
+            if swap:
+                train_step(model, off, s, 1)
+                with pytest.raises(RuntimeError, match=r"reached param.grad without passing through full offload's "
+                                                       r"hooks.*swap_tensors drops a tensor's hooks.*registered again "
+                                                       r"for the next windows"):
+                    off.step()
+                off.zero_grad()
+            train_step(model, off, s, 1)
+            off.step()
             off.zero_grad()
-        train_step(model, off, 1, 1)
+        halved = {n: v * 0.5 for n, v in model.l1.state_dict().items()}
+        with swapping(swap):  # the first layer only: its gradients arrive after the head's
+            model.l1.load_state_dict(halved)
+        train_step(model, off, 7, 1)
         off.step()
         masters.append({n: rec.master.clone() for n, rec in named(model, off).items()})
         off.close()
     assert masters[0].keys() == masters[1].keys()
-    assert all(torch.equal(masters[0][n], masters[1][n]) for n in masters[0]), "swapped load"
+    assert all(torch.equal(masters[0][n], masters[1][n]) for n in masters[0]), "swapped loads"
 
 
 @pytest.mark.parametrize("kind, where", [
