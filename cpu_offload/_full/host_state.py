@@ -77,8 +77,9 @@ class ParamRecord:
     retained: Optional[torch.Tensor] = None  # without accumulation: the window's gradient, kept for a redo
     hook: object = field(default=None, repr=False)
     # The C++ tensor the hook was registered on (``param._cdata``): torch.utils.swap_tensors
-    # gives the parameter another one, without the hook
+    # gives the parameter another one, without the hook (and without its Python attributes)
     hooked_tensor: int = 0
+    cast_from: Optional[torch.dtype] = None  # the dtype full offload cast the parameter from
 
     def local(self) -> torch.Tensor:
         """The device tensor holding the compute copy (looked up each time: FSDP2

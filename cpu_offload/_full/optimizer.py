@@ -438,7 +438,8 @@ class FullCPUOffloadOptimizer(WindowControls, torch.optim.Optimizer):
                 ownership.claim(records, self)
                 for rec in records:
                     if id(rec.param) in originals:
-                        ownership.mark_cast(rec.param, originals[id(rec.param)])
+                        rec.cast_from = originals[id(rec.param)]
+                        ownership.mark_cast(rec.param, rec.cast_from)
                 adopt_optimizer(self, optimizer, runs_torch_hooks=True)
                 self._proto.window = grad_accum_steps
                 self._records, self._frozen = records, frozen
@@ -1271,10 +1272,13 @@ class FullCPUOffloadOptimizer(WindowControls, torch.optim.Optimizer):
         NOTE: torch.utils.swap_tensors gives a parameter another C++ tensor, without its hooks
         (Module._apply and load_state_dict swap under set_swap_module_params_on_conversion).
         The parameter keeps its dict of them, and setting it again registers it on the new
-        tensor, every hook in it; setting it twice is harmless."""
+        tensor, every hook in it; setting it twice is harmless. The swap also took the
+        parameter's Python attributes, the mark of its cast among them: marked again."""
         for rec in records:
             rec.param._post_accumulate_grad_hooks = rec.param._post_accumulate_grad_hooks
             rec.hooked_tensor = rec.param._cdata
+            if rec.cast_from is not None:
+                ownership.mark_cast(rec.param, rec.cast_from)
 
     def _check_no_bypassed_grads(self) -> None:
         """A gradient left in ``param.grad`` never reached the hooks: it would be lost silently.

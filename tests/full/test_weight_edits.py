@@ -186,6 +186,23 @@ def test_loads_that_swap_parameters_load_and_their_hooks_come_back():
     assert all(torch.equal(masters[0][n], masters[1][n]) for n in masters[0]), "swapped loads"
 
 
+def test_a_swapped_parameter_keeps_the_mark_that_refuses_wrapping_its_bf16_copy_again():
+    """A swap moves a parameter's attributes to the tensor it was swapped with, and with them
+    the mark of its cast to bf16: after close(), a new full-offload optimizer took that bf16
+    copy for its fp32 masters without a word, where one without the swap is refused. The hooks
+    that come back bring the mark back."""
+    model, off, _ = warm_up(k=1)
+    with swapping(True):
+        model.load_state_dict({n: v * 0.5 for n, v in model.state_dict().items()})
+    train_step(model, off, 1, 1)
+    with pytest.raises(RuntimeError, match="swap_tensors drops a tensor's hooks"):
+        off.step()
+    off.zero_grad()
+    off.close()
+    with pytest.raises(RuntimeError, match=r"was cast from torch.float32 to torch.bfloat16 by a full-offload optimizer"):
+        FullCPUOffloadOptimizer(torch.optim.AdamW(model.parameters()), **SMALL)
+
+
 @pytest.mark.parametrize("kind, where", [
     ("adamw", "between two passes"), ("sign_sgd", "between two passes"),
     ("adamw", "after a short window's last pass"), ("sign_sgd", "after a short window's last pass"),
