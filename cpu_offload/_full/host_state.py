@@ -493,18 +493,22 @@ def _changed_elements(rec: ParamRecord, current: torch.Tensor) -> torch.Tensor:
 
 
 def take_changed_elements(rec: ParamRecord, current: torch.Tensor, changed: Optional[torch.Tensor] = None) -> bool:
-    """The master takes the elements of ``current`` (``changed``: where they differ from
-    round(master), computed when None) exactly, as fp32 holds every bf16 value; the others
-    keep their fp32 bits. Returns whether any element was taken.
+    """The master takes ``current`` (exactly, as fp32 holds every bf16 value): all of it when
+    over half of its elements changed (``changed``: where they differ from round(master),
+    computed when None), else only those, the others keeping their fp32 bits. Returns
+    whether any element was taken.
 
-    NOTE: per element, not per tensor: an edit of part of a weight (a padding row zeroed
-    after each step, nn.Embedding(max_norm=...) renormalising the rows it looks up) would
-    otherwise round every master of the tensor at each edit. The price: an element written
-    with the value it already rounded to keeps its master's low bits (a checkpoint of bf16
-    weights loaded after training; the optimizer's state_dict() holds the masters exactly)."""
+    NOTE: an edit of part of a weight (a padding row zeroed after each step,
+    nn.Embedding(max_norm=...) renormalising the rows it looks up) would otherwise round
+    every master of the tensor at each edit; a load of other weights changes nearly every
+    element, and the few that happen to equal round(master) are the loaded values too."""
     changed = _changed_elements(rec, current) if changed is None else changed
-    torch.where(changed, current, rec.master, out=rec.master)
-    return bool(changed.any())
+    taken = int(changed.sum())
+    if 2 * taken > changed.numel():
+        rec.master.copy_(current)
+    else:
+        torch.where(changed, current, rec.master, out=rec.master)
+    return taken > 0
 
 
 def adopt_external_weights(records: Iterable[ParamRecord]) -> None:
