@@ -441,6 +441,17 @@ def test_weights_edited_outside_the_optimizer_win_under_fsdp2(gloo_group, edit, 
     assert float(masters["one process"][1].norm()) < 0.8 * float(masters["one process, not edited"][1].norm())
 
 
+def _sharded_after_one_step(mesh):
+    """The model sharded on ``mesh`` and its full-offload optimizer (windows of ACCUM passes),
+    after one step."""
+    from cpu_offload import offload_optimizer
+
+    model = _shard(make_model(), mesh)
+    opt = offload_optimizer(make_opt(model), offload="full", grad_accum_steps=ACCUM, pinned_bytes=1 << 15, num_slots=2)
+    train(model, opt, range(1))
+    return model, opt
+
+
 def test_model_to_of_an_fsdp2_model_swaps_its_parameters_as_without_full_offload(gloo_group):
     """Module._apply swaps DTensor parameters (torch.utils.swap_tensors), which refuses a tensor
     that has a weak reference, and full offload's registry of owned parameters held one:
@@ -448,15 +459,10 @@ def test_model_to_of_an_fsdp2_model_swaps_its_parameters_as_without_full_offload
     raised torch's "Couldn't swap Linear.weight". It now moves, and trains as if not called."""
     from torch.distributed.device_mesh import init_device_mesh
 
-    from cpu_offload import offload_optimizer
-
     mesh = init_device_mesh("cpu", (1,))
     masters = {}
     for run in ("not moved", "moved"):
-        model = _shard(make_model(), mesh)
-        opt = offload_optimizer(make_opt(model), offload="full", grad_accum_steps=ACCUM, pinned_bytes=1 << 15,
-                                num_slots=2)
-        train(model, opt, range(1))
+        model, opt = _sharded_after_one_step(mesh)
         if run == "moved":
             model.to("cpu")
         train(model, opt, range(1, 3))
@@ -470,15 +476,10 @@ def test_a_weight_edited_after_the_last_backward_raises_under_fsdp2(gloo_group):
     an edit made after the window's last backward had stepped the weight, and undoes it."""
     from torch.distributed.device_mesh import init_device_mesh
 
-    from cpu_offload import offload_optimizer
-
     mesh = init_device_mesh("cpu", (1,))
     masters = {}
     for run in ("not edited", "edited"):
-        model = _shard(make_model(), mesh)
-        opt = offload_optimizer(make_opt(model), offload="full", grad_accum_steps=ACCUM, pinned_bytes=1 << 15,
-                                num_slots=2)
-        train(model, opt, range(1))
+        model, opt = _sharded_after_one_step(mesh)
         for m in range(ACCUM):
             model(batch(1, m)).float().pow(2).mean().backward()
         if run == "edited":
