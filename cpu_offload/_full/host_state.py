@@ -513,8 +513,8 @@ def take_changed_elements(rec: ParamRecord, current: torch.Tensor, changed: Opti
 
 def adopt_external_weights(records: Iterable[ParamRecord]) -> None:
     """Weights changed outside the optimizer (``model.load_state_dict``, an
-    in-place edit, ``.data =``) win over stale masters, element by element
-    (``take_changed_elements``)."""
+    in-place edit, ``.data =``) win over stale masters: whole when over half of a tensor
+    changed, else element by element (``take_changed_elements``)."""
     for rec in records:
         change = _external_change(rec)
         if change is not None:
