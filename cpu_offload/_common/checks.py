@@ -2,7 +2,8 @@
 #
 # Scope: whole-number options (an int, never a bool, at least some bound; None where the
 # option has a default meaning); hyper-parameters and the constants derived from them that
-# the kernels narrow to float32; real numbers, the one a one-element tensor holds included.
+# the kernels narrow to float32; real numbers, the one a one-element tensor holds included;
+# a parameter's name in messages, its place in the optimizer's param_groups.
 # Non-goals: checks of one entry point only (they stay beside it).
 
 from __future__ import annotations
@@ -14,7 +15,7 @@ from typing import Optional
 
 import torch
 
-__all__ = ["check_int", "check_float32", "item_of", "real_of"]
+__all__ = ["check_int", "check_float32", "item_of", "real_of", "position_of"]
 
 FLOAT32_MAX = 3.4028234663852886e38
 
@@ -77,3 +78,10 @@ def real_of(name: str, value) -> float:
         return float(value)
     except OverflowError:  # an int beyond any double
         return math.inf if value > 0 else -math.inf
+
+
+def position_of(param_groups, param) -> str:
+    """``param``'s place in ``param_groups`` as messages name it (``param_groups[g][i]``), or
+    "a parameter" when no group holds it."""
+    return next((f"param_groups[{g}][{i}]" for g, group in enumerate(param_groups)
+                 for i, q in enumerate(group["params"]) if q is param), "a parameter")

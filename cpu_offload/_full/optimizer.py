@@ -40,6 +40,7 @@ import torch
 from cpu_offload._full import checkpoint
 from cpu_offload._full import ownership
 from cpu_offload._common.backward_end import NextForwardHook, outside_backward, watch_backward
+from cpu_offload._common.checks import position_of
 from cpu_offload._full.host_state import (
     adopt_edits_before_step, adopt_external_weights, allocate_host_state, allocate_retained, available_host_ram,
     cast_to_compute, check_fsdp_not_started, check_host_ram, check_moved_storage,
@@ -1253,12 +1254,10 @@ class FullCPUOffloadOptimizer(WindowControls, torch.optim.Optimizer):
         group later would never be stepped, and a frozen one unfrozen never either."""
         for p in self._frozen:
             if p.requires_grad:
-                where = next((f"param_groups[{g}][{i}]" for g, group in enumerate(self.param_groups)
-                              for i, q in enumerate(group["params"]) if q is p), "a parameter")
                 raise RuntimeError(
-                    f"{where}, frozen (requires_grad=False) when the optimizer was wrapped, now requires grad; full "
-                    "offload built its host state at construction: set requires_grad before wrapping, or freeze it "
-                    "again")
+                    f"{position_of(self.param_groups, p)}, frozen (requires_grad=False) when the optimizer was "
+                    "wrapped, now requires grad; full offload built its host state at construction: set "
+                    "requires_grad before wrapping, or freeze it again")
         if _param_ids(self.param_groups) != self._group_ids:
             raise RuntimeError(
                 "the optimizer's param_groups no longer hold the parameters they held when offload_optimizer wrapped "

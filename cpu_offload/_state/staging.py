@@ -28,6 +28,7 @@ import weakref
 import torch
 
 from cpu_offload._common.backward_end import watch_backward
+from cpu_offload._common.checks import position_of
 from cpu_offload._common.dtensor import as_dtensor_like, local_of
 from cpu_offload._common.interrupts import deferred_interrupts
 from cpu_offload._state.copies import make_state_copies
@@ -436,8 +437,7 @@ class StateStaging:
         if (id(p), key) in self.kept_on_device:
             return
         self.kept_on_device.add((id(p), key))
-        where = next((f"param_groups[{g}][{i}]" for g, group in enumerate(self.optimizer.param_groups)
-                      for i, q in enumerate(group["params"]) if q is p), "a parameter")
+        where = position_of(self.optimizer.param_groups, p)
         warnings.warn(f"{type(self.optimizer).__name__}'s state {where}['{key}'] is a sparse tensor: it stays on "
                       "its parameter's device between steps (offload='optimizer' moves only strided state "
                       "tensors to the host)", stacklevel=4)
