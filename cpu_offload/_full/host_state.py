@@ -492,19 +492,26 @@ def _changed_elements(rec: ParamRecord, current: torch.Tensor) -> torch.Tensor:
     return current.view(bits) != rec.master.to(current.dtype).view(bits)
 
 
+def _is_mask(current: torch.Tensor, changed: torch.Tensor) -> bool:
+    """Every changed element of ``current`` is ±0 and some unchanged one is not."""
+    return not current[changed].any() and bool(current[~changed].any())
+
+
 def take_changed_elements(rec: ParamRecord, current: torch.Tensor, changed: Optional[torch.Tensor] = None) -> bool:
     """The master takes ``current`` (exactly, as fp32 holds every bf16 value): all of it when
     over half of its elements changed (``changed``: where they differ from round(master),
-    computed when None), else only those, the others keeping their fp32 bits. Returns
-    whether any element was taken.
+    computed when None) to anything but a mask, else only those, the others keeping their
+    fp32 bits. A mask sets every changed element to ±0 and keeps some nonzero one (pruning).
+    Returns whether any element was taken.
 
     NOTE: an edit of part of a weight (a padding row zeroed after each step,
-    nn.Embedding(max_norm=...) renormalising the rows it looks up) would otherwise round
-    every master of the tensor at each edit; a load of other weights changes nearly every
-    element, and the few that happen to equal round(master) are the loaded values too."""
+    nn.Embedding(max_norm=...) renormalising the rows it looks up, a pruning mask) would
+    otherwise round every master of the tensor at each edit; a load of other weights changes
+    nearly every element, and the few that happen to equal round(master) are the loaded
+    values too."""
     changed = _changed_elements(rec, current) if changed is None else changed
     taken = int(changed.sum())
-    if 2 * taken > changed.numel():
+    if 2 * taken > changed.numel() and not _is_mask(current, changed):
         rec.master.copy_(current)
     else:
         torch.where(changed, current, rec.master, out=rec.master)
@@ -514,7 +521,7 @@ def take_changed_elements(rec: ParamRecord, current: torch.Tensor, changed: Opti
 def adopt_external_weights(records: Iterable[ParamRecord]) -> None:
     """Weights changed outside the optimizer (``model.load_state_dict``, an
     in-place edit, ``.data =``) win over stale masters: whole when over half of a tensor
-    changed, else element by element (``take_changed_elements``)."""
+    changed to anything but a mask, else element by element (``take_changed_elements``)."""
     for rec in records:
         change = _external_change(rec)
         if change is not None:

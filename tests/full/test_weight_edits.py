@@ -99,6 +99,46 @@ def test_a_partial_edit_takes_the_elements_it_changed_and_keeps_the_others_fp32_
     off.close()
 
 
+@pytest.mark.parametrize("k", [1, 2])
+def test_a_mask_that_zeroes_over_half_of_a_weight_keeps_the_kept_elements_fp32_bits(k):
+    """Pruning applied after each step (``weight.mul_(mask)``) zeroes over half of a weight:
+    as a change of over half of the tensor it was taken whole, and every kept element lost its
+    fp32 bits at each edit. A change that sets only zeros and keeps nonzero elements is a mask,
+    not a load: torch's step() on fp32 weights masked so, bit for bit (-0 where the sign was
+    negative)."""
+    model, off, grads = warm_up(k=k)
+    rec = named(model, off)["l2.weight"]
+    mask = torch.rand(model.l2.weight.shape, generator=torch.Generator().manual_seed(5)) < 0.25
+    assert not torch.equal(rec.master, rec.master.to(torch.bfloat16).float())  # bits below bf16 to lose
+    before = snapshot(off)
+    for m in range(k):
+        if m == k - 1:
+            with torch.no_grad():
+                model.l2.weight.mul_(mask)
+        backward_pass(model, 1, m, k)
+    off.step()
+    master, exp_avg, exp_avg_sq, step = before[rec.name]
+    masked = master.view(mask.shape) * mask
+    assert (masked.signbit() & ~mask).any()  # -0 where the sign was negative
+    check_stepped_once(model, off, {**before, rec.name: (masked.reshape(-1), exp_avg, exp_avg_sq, step)}, grads,
+                       1.0, "three quarters zeroed")
+    off.close()
+
+
+def test_zeros_loaded_into_a_weight_are_taken_whole():
+    """A tensor of zeros loaded over a weight is a load, not a mask: every master is +0 after
+    it, also one so small that it rounded to +0 before."""
+    model, off, _ = warm_up(k=1)
+    rec = named(model, off)["l2.weight"]
+    with torch.no_grad():
+        rec.master[:2] = torch.tensor([1e-42, -1e-42])  # round to +0 and -0 in bf16
+        model.l2.weight.view(-1)[:2] = rec.master[:2].to(torch.bfloat16)
+    model.load_state_dict({**model.state_dict(), "l2.weight": torch.zeros_like(model.l2.weight)})
+    off.state_dict()  # adopts the load
+    assert torch.equal(rec.master, torch.zeros_like(rec.master)) and not rec.master.signbit().any()
+    off.close()
+
+
 def test_a_load_after_training_is_taken_whole_whichever_path_takes_it():
     """A model checkpoint loaded after training changes most elements of each tensor: the
     masters take all of it, also the elements loaded with the value their master already
