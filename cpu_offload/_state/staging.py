@@ -176,16 +176,21 @@ class StateStaging:
 
     def _entries(self, p: torch.Tensor) -> list:
         """(key, value, host tensor) for each state tensor of ``p`` now on the host: its host
-        buffer, or a host tensor the caller put in its place since the last step."""
+        buffer, a host tensor the caller put in its place since the last step, or, for a
+        parameter off the host, any strided host tensor of one or more dimensions (state left
+        by a closed or dropped wrapper, or kept by torch for a parameter out of the groups)."""
         state = self.optimizer.state.get(p)
         if not state:
             return []
+        off_host = local_of(p).device.type != "cpu"
         entries = []
         for key, value in state.items():
-            if isinstance(value, torch.Tensor) and (id(p), key) in self.host:
-                local = local_of(value)
-                if local.device.type == "cpu":
-                    entries.append((key, value, local))
+            if not isinstance(value, torch.Tensor):
+                continue
+            local = local_of(value)
+            if local.device.type == "cpu" and ((id(p), key) in self.host or (
+                    off_host and value.dim() > 0 and value.layout == torch.strided)):
+                entries.append((key, value, local))
         return entries
 
     def _engine(self, device: torch.device):
@@ -276,7 +281,13 @@ class StateStaging:
 
     def _params(self) -> list:
         """Every parameter, in the order gradients arrived, then the others."""
-        rest = [p for g in self.optimizer.param_groups for p in g["params"] if id(p) not in self.arrived]
+        seen = set(self.arrived)
+        rest = []
+        for group in self.optimizer.param_groups:
+            for p in group["params"]:
+                if id(p) not in seen:  # NOTE: torch steps a parameter listed twice (with a warning) once
+                    seen.add(id(p))
+                    rest.append(p)
         return self.arrival + rest
 
     def _state_ids(self) -> set:
@@ -299,8 +310,12 @@ class StateStaging:
         # with views (torch.save keeps them) is moved apart by the load, as a per-tensor
         # optimizer such as AdamW expects.
         owners: dict = {}
+        seen: set = set()
         for g, group in enumerate(self.optimizer.param_groups):
             for i, p in enumerate(group["params"]):
+                if id(p) in seen:  # listed twice: one state
+                    continue
+                seen.add(id(p))
                 for key, value in (self.optimizer.state.get(p) or {}).items():
                     if (id(value) in placed or not isinstance(value, torch.Tensor) or value.dim() == 0
                             or value.layout != torch.strided):  # a sparse tensor stays on the device

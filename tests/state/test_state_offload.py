@@ -77,6 +77,27 @@ def test_close_gives_the_optimizer_back_with_its_state_on_the_host():
         assert torch.equal(a, b)
 
 
+def test_a_parameter_listed_twice_in_a_group_trains_as_torch_steps_it():
+    """torch steps a parameter listed twice in a group (with a warning) once, with one state.
+    The check for state tensors sharing storage found that one state under both positions:
+    the first step was taken, then refused, and every step after it."""
+    m1, data = model_and_data(seed=int(torch.randint(1 << 30, ())))
+    m2 = copy.deepcopy(m1)
+    runs = []
+    for model, wrap in ((m1, False), (m2, True)):
+        first, second = model[0].weight, model[2].weight
+        with warnings.catch_warnings():
+            warnings.filterwarnings("ignore", "optimizer contains a parameter group with duplicate parameters")
+            opt = torch.optim.AdamW([first, model[0].bias, first, second], lr=1e-2, weight_decay=0.1)
+        opt = StateOffloadOptimizer(opt) if wrap else opt
+        train(model, opt, data)
+        runs.append((model, opt))
+    (m1, plain), (m2, wrapped) = runs
+    for a, b in zip(m1.parameters(), m2.parameters()):
+        assert torch.equal(a, b)
+    assert wrapped.stats()["d2h_bytes"] == sum(8 * p.numel() for p in (m2[0].weight, m2[0].bias, m2[2].weight))
+
+
 def test_state_under_a_key_that_is_not_a_parameter_stays_as_the_optimizer_keeps_it():
     """torch's state may hold entries under keys other than parameters (its state_dict keeps
     them): an optimizer counting its steps in ``self.state["global_step"]`` failed from the
