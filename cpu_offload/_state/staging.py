@@ -107,6 +107,7 @@ class StateStaging:
         self.window = 0  # the most backward passes completed between two steps so far
         self.completed = 0  # backward passes completed since the last step (or zero_grad)
         self.watching = False  # the end of the running backward is being watched
+        self.in_groups: set = set()  # id() of the groups' parameters when the running backward began
         self.stepping = False  # inside the wrapped step (a closure it calls may run backward)
         self.arrived: set = set()  # id(param) of every gradient since the last step
         self.arrival: list = []  # parameters in the order their first gradient arrived
@@ -149,6 +150,7 @@ class StateStaging:
             if not self.watching:  # the first gradient of this backward
                 self.watching = True
                 watch_backward(self._backward_ended, self._backward_died)
+                self.in_groups = {id(q) for group in self.optimizer.param_groups for q in group["params"]}
             if id(p) not in self.arrived:
                 if not self.arrived:
                     engine = self.copies.get(local_of(p).device)
@@ -162,7 +164,7 @@ class StateStaging:
             # more than expected, a rerun after an exception) finds it staged.
             last = max(self.grad_accum_steps or 0, self.window)
             if (last and self.completed + 1 >= last and id(p) not in self.prefetched
-                    and not self.prefetch_failed):
+                    and not self.prefetch_failed and id(p) in self.in_groups):
                 self._prefetch(p)
 
     def _backward_ended(self) -> None:
@@ -280,15 +282,13 @@ class StateStaging:
                                "host_bytes": sum(_nbytes(t) for t in self.host.values())}
 
     def _params(self) -> list:
-        """Every parameter, in the order gradients arrived, then the others."""
-        seen = set(self.arrived)
-        rest = []
-        for group in self.optimizer.param_groups:
-            for p in group["params"]:
-                if id(p) not in seen:  # NOTE: torch steps a parameter listed twice (with a warning) once
-                    seen.add(id(p))
-                    rest.append(p)
-        return self.arrival + rest
+        """Every parameter of the groups once, those whose gradient arrived first, in that order.
+
+        NOTE: torch steps a parameter listed twice (with a warning) once, and leaves the state of
+        one taken out of the groups where it is: so does this mode, with a gradient or without."""
+        params = {id(p): p for group in self.optimizer.param_groups for p in group["params"]}
+        arrived = [p for p in self.arrival if id(p) in params]
+        return arrived + [p for i, p in params.items() if i not in self.arrived]
 
     def _state_ids(self) -> set:
         """id() of every value in the wrapped optimizer's state.

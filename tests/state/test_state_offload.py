@@ -98,6 +98,32 @@ def test_a_parameter_listed_twice_in_a_group_trains_as_torch_steps_it():
     assert wrapped.stats()["d2h_bytes"] == sum(8 * p.numel() for p in (m2[0].weight, m2[0].bias, m2[2].weight))
 
 
+def test_a_parameter_out_of_the_groups_keeps_its_state_where_it_is_also_with_a_gradient():
+    """torch leaves the state of a parameter taken out of param_groups alone, and steps it
+    again once it is put back. Its gradient hook still fired, and its state was copied in and
+    out with the others for a step that did not use it."""
+    m1, data = model_and_data(seed=int(torch.randint(1 << 30, ())))
+    m2 = copy.deepcopy(m1)
+    plain = torch.optim.AdamW(m1.parameters(), lr=1e-2)
+    wrapped = StateOffloadOptimizer(torch.optim.AdamW(m2.parameters(), lr=1e-2))
+    train(m1, plain, data[:2])
+    train(m2, wrapped, data[:2])
+    out = m2[0].weight
+    kept = wrapped.state[out]["exp_avg"]
+    before = kept.clone()
+    for model, opt in ((m1, plain), (m2, wrapped)):
+        first = opt.param_groups[0]["params"].pop(0)
+        train(model, opt, data[2:3])  # its gradient arrives; nothing steps it
+        opt.param_groups[0]["params"].insert(0, first)
+    assert wrapped.state[out]["exp_avg"] is kept and torch.equal(kept, before)
+    in_groups = sum(8 * p.numel() for p in m2.parameters() if p is not out)
+    assert wrapped.stats()["h2d_bytes"] == wrapped.stats()["d2h_bytes"] == in_groups
+    train(m1, plain, data[3:])
+    train(m2, wrapped, data[3:])
+    for a, b in zip(m1.parameters(), m2.parameters()):
+        assert torch.equal(a, b)
+
+
 def test_state_under_a_key_that_is_not_a_parameter_stays_as_the_optimizer_keeps_it():
     """torch's state may hold entries under keys other than parameters (its state_dict keeps
     them): an optimizer counting its steps in ``self.state["global_step"]`` failed from the
