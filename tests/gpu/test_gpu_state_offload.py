@@ -124,22 +124,24 @@ def test_twenty_steps_bitwise_equal_to_no_offload(kind, accum):
     assert stats["copy_wait_s"] is not None and stats["copy_wait_s"] >= 0.0
 
 
-@pytest.mark.parametrize("how", ["closed", "dropped", "parameter out of the groups"])
+@pytest.mark.parametrize("how", ["closed", "dropped", "parameter out of the groups", "frozen, out of the groups"])
 def test_state_left_on_the_host_is_copied_in_by_the_next_step(how):
     """State on the host that the wrapper's own buffers did not record reached the wrapped step
     as host tensors (torch then refuses tensors on two devices): after close() and a new
     wrapper, after a wrapper dropped and a new one, and for a parameter taken out of
-    param_groups for a step and put back (torch keeps its state meanwhile). It is copied in
-    as the rest is: bit for bit the plain optimizer."""
+    param_groups for a step without a gradient and put back (torch keeps its state meanwhile).
+    It is copied in as the rest is: bit for bit the plain optimizer."""
     m1, plain = make("adamw", wrap=False)
     m2, inner = make("adamw", wrap=False)
     wrapped = StateOffloadOptimizer(inner)
     train(m1, plain, range(3))
     train(m2, wrapped, range(3))
-    if how == "parameter out of the groups":
+    if how.endswith("out of the groups"):
         for model, opt in ((m1, plain), (m2, wrapped)):
             first = opt.param_groups[0]["params"].pop(0)
+            first.requires_grad_(not how.startswith("frozen"))
             train(model, opt, [3])
+            first.requires_grad_(True)
             opt.param_groups[0]["params"].insert(0, first)
     else:
         train(m1, plain, [3])
