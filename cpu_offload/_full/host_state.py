@@ -502,7 +502,7 @@ def take_changed_elements(rec: ParamRecord, current: torch.Tensor, changed: Opti
     over half of its elements changed (``changed``: where they differ from round(master),
     computed when None) to anything but a mask, else only those, the others keeping their
     fp32 bits. A mask sets every changed element to ±0 and keeps some nonzero one (pruning).
-    Returns whether any element was taken.
+    Returns whether the master was taken whole (it then has no bits but the weights').
 
     NOTE: an edit of part of a weight (a padding row zeroed after each step,
     nn.Embedding(max_norm=...) renormalising the rows it looks up, a pruning mask) would
@@ -510,12 +510,11 @@ def take_changed_elements(rec: ParamRecord, current: torch.Tensor, changed: Opti
     nearly every element, and the few that happen to equal round(master) are the loaded
     values too."""
     changed = _changed_elements(rec, current) if changed is None else changed
-    taken = int(changed.sum())
-    if 2 * taken > changed.numel() and not _is_mask(current, changed):
+    if 2 * int(changed.sum()) > changed.numel() and not _is_mask(current, changed):
         rec.master.copy_(current)
-    else:
-        torch.where(changed, current, rec.master, out=rec.master)
-    return taken > 0
+        return True
+    torch.where(changed, current, rec.master, out=rec.master)
+    return False
 
 
 def adopt_external_weights(records: Iterable[ParamRecord]) -> None:
@@ -525,9 +524,9 @@ def adopt_external_weights(records: Iterable[ParamRecord]) -> None:
     for rec in records:
         change = _external_change(rec)
         if change is not None:
-            take_changed_elements(rec, *change)
+            if take_changed_elements(rec, *change):
+                rec.master_from_weights = change[0].dtype != torch.float32
             rec.version = _version_of(rec)
-            rec.master_from_weights = change[0].dtype != torch.float32
 
 
 def adopt_edits_before_step(records: Iterable[ParamRecord]) -> list[ParamRecord]:

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import warnings
 
 import pytest
 import torch
@@ -136,6 +137,24 @@ def test_zeros_loaded_into_a_weight_are_taken_whole():
     model.load_state_dict({**model.state_dict(), "l2.weight": torch.zeros_like(model.l2.weight)})
     off.state_dict()  # adopts the load
     assert torch.equal(rec.master, torch.zeros_like(rec.master)) and not rec.master.signbit().any()
+    off.close()
+
+
+def test_a_partial_edit_does_not_mark_the_masters_as_taken_from_weights():
+    """A load of a checkpoint without masters warns when a tensor's masters came from weights
+    loaded at bf16 since wrapping (they lack the low bits). A partial edit (a padding row
+    zeroed) set the same mark, so the load warned for masters that had kept their fp32 bits."""
+    model, off, _ = warm_up(k=1)
+    torch_state = copy.deepcopy(off.state_dict())  # as a torch AdamW's: no masters
+    for entry in torch_state["state"].values():
+        del entry["master"], entry["master_step"]
+    with torch.no_grad():
+        model.l2.weight[0].zero_()
+    off.state_dict()  # adopts the edit
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        off.load_state_dict(torch_state)
+    assert not named(model, off)["l2.weight"].master[:model.l2.weight.shape[1]].any()
     off.close()
 
 
