@@ -230,9 +230,9 @@ def load_state_dict(opt, sd: dict) -> None:
                     flat.zero_()
             if "master" not in tensors:  # the weights decide, where they are not round(master)
                 current = rec.local().detach().reshape(-1).to(rec.master.device)
-                if take_changed_elements(rec, current):
+                if take_changed_elements(rec, current):  # nonzero values taken from the weights
                     rec.master_from_weights = current.dtype != torch.float32
-                # NOTE: also a master taken from such weights before (a state_dict() read takes
+                # NOTE: also a master that took such values before (a state_dict() read takes
                 # weights loaded since wrapping): it has no more bits than they have
                 if step and rec.master_from_weights:
                     rounded.append(rec)

@@ -54,8 +54,8 @@ class ParamRecord:
     exp_avg_sq: Optional[torch.Tensor] = None  # v, flat host view in the state dtype (AdamW)
     accum: Optional[torch.Tensor] = None  # fp32 flat host view (grad_accum_steps > 1)
     step: int = 0  # completed optimizer steps: grows exactly when the master changed
-    # the master was taken from weights changed outside the optimizer at the compute dtype (a
-    # bf16 model checkpoint loaded after wrapping): it lacks an fp32 checkpoint's low bits
+    # the master took nonzero values from weights changed outside the optimizer at the compute
+    # dtype (a bf16 model checkpoint loaded after wrapping): they lack an fp32 checkpoint's low bits
     master_from_weights: bool = False
     # The step count as the user sees it (torch's ``state["step"]``): live 0-d float32 tensors,
     # made when first handed out, given ``step`` by ``show_step`` (state_mapping.py)
@@ -502,7 +502,7 @@ def take_changed_elements(rec: ParamRecord, current: torch.Tensor, changed: Opti
     over half of its elements changed (``changed``: where they differ from round(master),
     computed when None) to anything but a mask, else only those, the others keeping their
     fp32 bits. A mask sets every changed element to ±0 and keeps some nonzero one (pruning).
-    Returns whether the master was taken whole (it then has no bits but the weights').
+    Returns whether nonzero values were taken (they lack the low bits of fp32 weights).
 
     NOTE: an edit of part of a weight (a padding row zeroed after each step,
     nn.Embedding(max_norm=...) renormalising the rows it looks up, a pruning mask) would
@@ -512,9 +512,9 @@ def take_changed_elements(rec: ParamRecord, current: torch.Tensor, changed: Opti
     changed = _changed_elements(rec, current) if changed is None else changed
     if 2 * int(changed.sum()) > changed.numel() and not _is_mask(current, changed):
         rec.master.copy_(current)
-        return True
+        return bool(current.any())
     torch.where(changed, current, rec.master, out=rec.master)
-    return False
+    return bool(current[changed].any())
 
 
 def adopt_external_weights(records: Iterable[ParamRecord]) -> None:

@@ -41,6 +41,13 @@ def _nbytes(t: torch.Tensor) -> int:
     return t.numel() * t.element_size()
 
 
+# id() -> every host buffer a copy-out made, held weakly: a later step, of this wrapper or of
+# another over the same optimizer, copies them in (state left by a closed or dropped wrapper,
+# or kept by torch for a parameter out of the groups), and no other host tensor an optimizer
+# keeps for a parameter elsewhere.
+_HOST_BUFFERS: "weakref.WeakValueDictionary[int, torch.Tensor]" = weakref.WeakValueDictionary()
+
+
 def _held_elsewhere(host: torch.Tensor) -> bool:
     """Whether anything but ``StateStaging.host`` holds the buffer ``host`` or its memory (a kept
     ``state_dict()`` or state tensor, a view of it, a tensor detached from it)."""
@@ -131,8 +138,12 @@ class StateStaging:
         groups, parameters unfrozen since)."""
         if self.closed:
             return
-        new = [(g, i, p) for g, group in enumerate(self.optimizer.param_groups)
-               for i, p in enumerate(group["params"]) if p.requires_grad and id(p) not in self.handles]
+        new = {}  # NOTE: one hook for a parameter listed twice
+        for g, group in enumerate(self.optimizer.param_groups):
+            for i, p in enumerate(group["params"]):
+                if p.requires_grad and id(p) not in self.handles:
+                    new.setdefault(id(p), (g, i, p))
+        new = list(new.values())
         for g, i, p in new:  # NOTE: all checked before any is hooked
             if not p.is_leaf:
                 raise ValueError(f"param_groups[{g}][{i}] is not a leaf tensor (torch's optimizers take those with "
@@ -178,20 +189,17 @@ class StateStaging:
 
     def _entries(self, p: torch.Tensor) -> list:
         """(key, value, host tensor) for each state tensor of ``p`` now on the host: its host
-        buffer, a host tensor the caller put in its place since the last step, or, for a
-        parameter off the host, any strided host tensor of one or more dimensions (state left
-        by a closed or dropped wrapper, or kept by torch for a parameter out of the groups)."""
+        buffer, a host tensor the caller put in its place since the last step, or a host
+        buffer any copy-out made (``_HOST_BUFFERS``)."""
         state = self.optimizer.state.get(p)
         if not state:
             return []
-        off_host = local_of(p).device.type != "cpu"
         entries = []
         for key, value in state.items():
             if not isinstance(value, torch.Tensor):
                 continue
             local = local_of(value)
-            if local.device.type == "cpu" and ((id(p), key) in self.host or (
-                    off_host and value.dim() > 0 and value.layout == torch.strided)):
+            if local.device.type == "cpu" and ((id(p), key) in self.host or _HOST_BUFFERS.get(id(local)) is local):
                 entries.append((key, value, local))
         return entries
 
@@ -420,7 +428,7 @@ class StateStaging:
                 if host is None or host.shape != local.shape or host.dtype != local.dtype or (
                         self.placed.get((id(p), key)) is not value and _held_elsewhere(host)):
                     host = torch.empty_like(local, device="cpu", pin_memory=self.pin)
-                    self.host[(id(p), key)] = host
+                    self.host[(id(p), key)] = _HOST_BUFFERS[id(host)] = host
                 pairs.append((host, local))
                 entries.append((state, key, host, value))
             if pairs:

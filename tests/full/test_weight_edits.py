@@ -158,6 +158,30 @@ def test_a_partial_edit_does_not_mark_the_masters_as_taken_from_weights():
     off.close()
 
 
+@pytest.mark.parametrize("how", ["whole tensor zeroed", "a row loaded"])
+def test_only_nonzero_values_taken_from_bf16_weights_mark_the_masters(how):
+    """A load of a checkpoint without masters warns where masters took nonzero values from
+    bf16 weights since wrapping (they lack an fp32 checkpoint's low bits). Zeros carry no low
+    bits: a mask that zeroes the whole tensor must not make it warn; a row of other weights
+    loaded into the tensor (an edit of under half of it) must."""
+    model, off, _ = warm_up(k=1)
+    torch_state = copy.deepcopy(off.state_dict())  # as a torch AdamW's: no masters
+    for entry in torch_state["state"].values():
+        del entry["master"], entry["master_step"]
+    with torch.no_grad():
+        if how == "whole tensor zeroed":
+            model.l2.weight.mul_(0)
+        else:
+            model.l2.weight[0] = torch.randn(model.l2.weight.shape[1]).to(torch.bfloat16)
+    off.state_dict()  # adopts the edit
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        off.load_state_dict(torch_state)
+    warned = [w for w in seen if "has no fp32 master" in str(w.message)]
+    assert len(warned) == (how == "a row loaded")
+    off.close()
+
+
 def test_a_load_after_training_is_taken_whole_whichever_path_takes_it():
     """A model checkpoint loaded after training changes most elements of each tensor: the
     masters take all of it, also the elements loaded with the value their master already

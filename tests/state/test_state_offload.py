@@ -14,6 +14,7 @@ import torch.nn as nn
 from cpu_offload.optim import SignSGD
 from cpu_offload._state.copies import SyncStateCopies
 from cpu_offload._state.optimizer import StateOffloadOptimizer
+from cpu_offload._state.staging import _HOST_BUFFERS
 from helpers import state_staging_of
 
 
@@ -96,6 +97,8 @@ def test_a_parameter_listed_twice_in_a_group_trains_as_torch_steps_it():
     for a, b in zip(m1.parameters(), m2.parameters()):
         assert torch.equal(a, b)
     assert wrapped.stats()["d2h_bytes"] == sum(8 * p.numel() for p in (m2[0].weight, m2[0].bias, m2[2].weight))
+    wrapped.close()  # one gradient hook each, all removed
+    assert all(not p._post_accumulate_grad_hooks for p in m2.parameters())
 
 
 def test_a_parameter_out_of_the_groups_keeps_its_state_where_it_is_also_with_a_gradient():
@@ -122,6 +125,24 @@ def test_a_parameter_out_of_the_groups_keeps_its_state_where_it_is_also_with_a_g
     train(m2, wrapped, data[3:])
     for a, b in zip(m1.parameters(), m2.parameters()):
         assert torch.equal(a, b)
+
+
+def test_host_state_an_optimizer_keeps_itself_stays_on_the_host():
+    """A step copies in the host buffers a wrapper's copy-out made (left by a closed or dropped
+    wrapper, or kept by torch for a parameter out of the groups), not a host tensor an optimizer
+    keeps on the host on purpose for a parameter elsewhere (a histogram, a counter). The meta
+    device stands for a GPU here."""
+    m, data = model_and_data()
+    wrapped = StateOffloadOptimizer(torch.optim.AdamW(m.parameters(), lr=1e-2))
+    train(m, wrapped, data[:1])
+    assert all(_HOST_BUFFERS.get(id(t)) is t for t in state_staging_of(wrapped).host.values())
+    p = torch.nn.Parameter(torch.empty(4, 4, device="meta"))
+    inner = torch.optim.SGD([p], lr=0.1)
+    staging = state_staging_of(StateOffloadOptimizer(inner))
+    made = torch.empty(4, 4)
+    _HOST_BUFFERS[id(made)] = made  # as a copy-out records the buffers it makes
+    inner.state[p] = {"hist": torch.zeros(16), "momentum_buffer": made, "count": torch.tensor(3.0)}
+    assert [key for key, *_ in staging._entries(p)] == ["momentum_buffer"]
 
 
 def test_state_under_a_key_that_is_not_a_parameter_stays_as_the_optimizer_keeps_it():
