@@ -138,12 +138,7 @@ class StateStaging:
         groups, parameters unfrozen since)."""
         if self.closed:
             return
-        new = {}  # NOTE: one hook for a parameter listed twice
-        for g, group in enumerate(self.optimizer.param_groups):
-            for i, p in enumerate(group["params"]):
-                if p.requires_grad and id(p) not in self.handles:
-                    new.setdefault(id(p), (g, i, p))
-        new = list(new.values())
+        new = [(g, i, p) for g, i, p in self._positions() if p.requires_grad and id(p) not in self.handles]
         for g, i, p in new:  # NOTE: all checked before any is hooked
             if not p.is_leaf:
                 raise ValueError(f"param_groups[{g}][{i}] is not a leaf tensor (torch's optimizers take those with "
@@ -161,7 +156,7 @@ class StateStaging:
             if not self.watching:  # the first gradient of this backward
                 self.watching = True
                 watch_backward(self._backward_ended, self._backward_died)
-                self.in_groups = {id(q) for group in self.optimizer.param_groups for q in group["params"]}
+                self.in_groups = {id(q) for *_, q in self._positions()}
             if id(p) not in self.arrived:
                 if not self.arrived:
                     engine = self.copies.get(local_of(p).device)
@@ -289,12 +284,24 @@ class StateStaging:
                                "copy_wait_s": None if self.timing else 0.0,
                                "host_bytes": sum(_nbytes(t) for t in self.host.values())}
 
+    def _positions(self):
+        """(g, i, p) for each parameter of the groups, at its first place (``param_groups[g][i]``).
+
+        NOTE: torch steps a parameter listed twice (with a warning) once, with one state: so it
+        gets one hook, one copy each way and one storage check here."""
+        seen = set()
+        for g, group in enumerate(self.optimizer.param_groups):
+            for i, p in enumerate(group["params"]):
+                if id(p) not in seen:
+                    seen.add(id(p))
+                    yield g, i, p
+
     def _params(self) -> list:
         """Every parameter of the groups once, those whose gradient arrived first, in that order.
 
-        NOTE: torch steps a parameter listed twice (with a warning) once, and leaves the state of
-        one taken out of the groups where it is: so does this mode, with a gradient or without."""
-        params = {id(p): p for group in self.optimizer.param_groups for p in group["params"]}
+        NOTE: torch leaves the state of a parameter taken out of the groups where it is: so does
+        this mode, with a gradient or without."""
+        params = {id(p): p for *_, p in self._positions()}
         arrived = [p for p in self.arrival if id(p) in params]
         return arrived + [p for i, p in params.items() if i not in self.arrived]
 
@@ -318,21 +325,16 @@ class StateStaging:
         # with views (torch.save keeps them) is moved apart by the load, as a per-tensor
         # optimizer such as AdamW expects.
         owners: dict = {}
-        seen: set = set()
-        for g, group in enumerate(self.optimizer.param_groups):
-            for i, p in enumerate(group["params"]):
-                if id(p) in seen:  # listed twice: one state
+        for g, i, p in self._positions():
+            for key, value in (self.optimizer.state.get(p) or {}).items():
+                if (id(value) in placed or not isinstance(value, torch.Tensor) or value.dim() == 0
+                        or value.layout != torch.strided):  # a sparse tensor stays on the device
                     continue
-                seen.add(id(p))
-                for key, value in (self.optimizer.state.get(p) or {}).items():
-                    if (id(value) in placed or not isinstance(value, torch.Tensor) or value.dim() == 0
-                            or value.layout != torch.strided):  # a sparse tensor stays on the device
-                        continue
-                    local = local_of(value)
-                    if local.device != local_of(p).device or local.numel() == 0:
-                        continue
-                    self._check_own_storage(local, f"{type(self.optimizer).__name__}'s state "
-                                                   f"param_groups[{g}][{i}]['{key}']", owners)
+                local = local_of(value)
+                if local.device != local_of(p).device or local.numel() == 0:
+                    continue
+                self._check_own_storage(local, f"{type(self.optimizer).__name__}'s state "
+                                               f"param_groups[{g}][{i}]['{key}']", owners)
 
     def _check_own_storage(self, local: torch.Tensor, where: str, owners: dict) -> None:
         storage = local.untyped_storage()
