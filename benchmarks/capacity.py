@@ -449,7 +449,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--modes", default=",".join(DEFAULT_MODES), help=f"comma list of {', '.join(MODES)}")
     p.add_argument("--configs", default="llama",
                    help=f"a set ({', '.join(CONFIG_SETS)}) or a comma list of {', '.join(CONFIGS)}, smallest first")
-    p.add_argument("--steps", type=int, default=3, help="training steps per configuration")
+    p.add_argument("--steps", type=int, default=3,
+                   help="training steps per configuration, >= 2: the step time is the median after the first")
     p.add_argument("--tokens", type=int, default=8192, help="tokens per step")
     p.add_argument("--seq-len", type=int, default=2048, help="tokens per sequence")
     p.add_argument("--time-limit-s", type=float, default=460.0, help="for the whole run, all modes")
@@ -464,8 +465,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--plot", metavar="PATH")
     p.add_argument("--worker", metavar="CONFIG_JSON", help=argparse.SUPPRESS)
     args = p.parse_args(argv)
-    if args.steps < 1:
-        p.error("--steps must be >= 1")
+    if args.steps < 2:
+        p.error(f"--steps must be >= 2 (the first step warms up and is left out of the step time), got {args.steps}")
     if args.seq_len < 1:
         p.error(f"--seq-len must be >= 1, got {args.seq_len}")
     if args.tokens < args.seq_len or args.tokens % args.seq_len:

@@ -23,10 +23,11 @@ __all__ = ["ratios", "summary", "main"]
 
 
 def _reports(data: dict) -> list:
-    """The e2e reports in one file: the file itself, or the arms of a dict of reports."""
+    """The e2e reports in one file: the file itself, or the arms of a dict of reports, at any
+    depth (kept arm comparisons hold theirs under "runs" or "arms", beside their commands)."""
     if "results" in data:
         return [data]
-    return [v for v in data.values() if isinstance(v, dict) and "results" in v]
+    return [rep for v in data.values() if isinstance(v, dict) for rep in _reports(v)]
 
 
 def _why_not_a_report(data) -> str | None:

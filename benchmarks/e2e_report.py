@@ -67,10 +67,14 @@ def summarize(results: list[dict]) -> list[dict]:
 
 
 def _max_loss_diff(a: Optional[list], b: Optional[list]) -> Optional[float]:
+    """The largest |loss - none's loss| over the steps both ran; NaN where a loss is not finite
+    and none's is (a diverged run; max() alone would skip a NaN after the first step)."""
     if not a or not b:
         return None
-    n = min(len(a), len(b))
-    return max(abs(x - y) for x, y in zip(a[:n], b[:n]))
+    pairs = list(zip(a, b))
+    if any(not math.isfinite(x) and math.isfinite(y) for x, y in pairs):
+        return math.nan
+    return max(abs(x - y) for x, y in pairs)
 
 
 def _cell(value, fmt: str) -> str:
@@ -126,8 +130,10 @@ def summary_lines(rows: list[dict], bandwidth_gbs: Optional[float] = None) -> li
         line = f"{tokens} tokens/step: full {full['ratio_to_none']:.2f}x none step time"
         if full.get("gib_saved") is not None:
             line += f", {full['gib_saved']:.2f} GiB less peak GPU memory"
-        if full.get("max_loss_diff_vs_none") is not None:
-            line += f", loss within {full['max_loss_diff_vs_none']:.4f} of none"
+        diff = full.get("max_loss_diff_vs_none")
+        if diff is not None:
+            line += (", loss not finite where none's is (diverged)" if math.isnan(diff)
+                     else f", loss within {diff:.4f} of none")
         for ref in ("torchao", "fsdp_cpu"):
             r = ok.get((ref, tokens))
             if r is not None:
@@ -138,7 +144,9 @@ def summary_lines(rows: list[dict], bandwidth_gbs: Optional[float] = None) -> li
 
 
 def _speed_phrase(ours_s: float, theirs_s: float, name: str) -> str:
-    if ours_s <= theirs_s:
+    if ours_s == theirs_s:
+        return f"as fast as {name}"
+    if ours_s < theirs_s:
         return f"{theirs_s / ours_s:.2f}x faster than {name}"
     return f"{ours_s / theirs_s:.2f}x slower than {name}"
 

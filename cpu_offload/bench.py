@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import importlib.util
+import itertools
 import json
 import math
 import os
@@ -106,34 +107,41 @@ def measure_bandwidth(numel: int, repeats: int) -> float:
 
 
 def check_against_reference(isa: str) -> None:
-    """Raises AssertionError if a kernel of ``isa`` differs from the reference."""
+    """Raises AssertionError if a kernel of ``isa`` differs from the reference, on every path a
+    timed configuration takes: fp32 and bf16 gradients and moments, with and without the bf16
+    compute copy."""
     g = torch.Generator().manual_seed(0)
     n = 4099
     p0 = torch.randn(n, generator=g)
-    grad = torch.randn(n, generator=g).bfloat16()
+    grad32 = torch.randn(n, generator=g)
     ok = True
-    for moment_dtype in (torch.float32, torch.bfloat16):
+    for grad, moment_dtype, copy in itertools.product((grad32.bfloat16(), grad32), (torch.float32, torch.bfloat16),
+                                                      (False, True)):
         p, m, v = p0.clone(), torch.zeros(n, dtype=moment_dtype), torch.zeros(n, dtype=moment_dtype)
         rp, rm, rv = p.clone(), m.clone(), v.clone()
         out = torch.empty(n, dtype=torch.bfloat16)
         with kernels.use_isa(isa):
-            kernels.adamw_step([p], [grad], [m], [v], torch.zeros(1, dtype=torch.int64), compute_params=[out],
-                               **HYPER)
+            kernels.adamw_step([p], [grad], [m], [v], torch.zeros(1, dtype=torch.int64),
+                               compute_params=[out] if copy else None, **HYPER)
         adamw_reference_(rp, grad, rm, rv, 1, **HYPER)
-        ok = ok and torch.equal(p, rp) and torch.equal(m, rm) and torch.equal(v, rv) and torch.equal(out, rp.bfloat16())
-    for moment_dtype in (torch.float32, torch.bfloat16):  # undo one step of random state
-        p, m = p0.clone(), (torch.randn(n, generator=g) * 0.1).to(moment_dtype)
+        ok = ok and torch.equal(p, rp) and torch.equal(m, rm) and torch.equal(v, rv)
+        ok = ok and (not copy or torch.equal(out, rp.bfloat16()))
+    for grad, moment_dtype in itertools.product((grad32.bfloat16(), grad32), (torch.float32, torch.bfloat16)):
+        p, m = p0.clone(), (torch.randn(n, generator=g) * 0.1).to(moment_dtype)  # undo one step of random state
         v = (torch.rand(n, generator=g) * 0.01).to(moment_dtype)
         rp, rm, rv = p.clone(), m.clone(), v.clone()
         with kernels.use_isa(isa):
             kernels.adamw_inverse_step([p], [grad], [m], [v], torch.full((1,), 3, dtype=torch.int64), **HYPER)
         adamw_inverse_reference_(rp, grad, rm, rv, 3, **HYPER)
         ok = ok and torch.equal(p, rp) and torch.equal(m, rm) and torch.equal(v, rv)
-    sp, rsp = p.clone(), p.clone()
-    with kernels.use_isa(isa):
-        kernels.sign_sgd_step([sp], [grad], lr=1e-2, weight_decay=0.1)
-    sign_sgd_reference_(rsp, grad, lr=1e-2, weight_decay=0.1)
-    if not (ok and torch.equal(sp, rsp)):
+    for grad, copy in itertools.product((grad32.bfloat16(), grad32), (False, True)):
+        sp, rsp = p0.clone(), p0.clone()
+        out = torch.empty(n, dtype=torch.bfloat16)
+        with kernels.use_isa(isa):
+            kernels.sign_sgd_step([sp], [grad], lr=1e-2, weight_decay=0.1, compute_params=[out] if copy else None)
+        sign_sgd_reference_(rsp, grad, lr=1e-2, weight_decay=0.1)
+        ok = ok and torch.equal(sp, rsp) and (not copy or torch.equal(out, rsp.bfloat16()))
+    if not ok:
         raise AssertionError(f"{isa} kernels differ from cpu_offload.reference")
 
 
@@ -175,12 +183,18 @@ class Workload:
                                   compute_params=self.out_bf16)
 
     def torch_fused_adamw(self):
-        """torch's fused CPU AdamW kernel on the same fp32 tensors (the op torch.optim.AdamW(fused=True) calls)."""
+        """torch's fused CPU AdamW kernel on the same fp32 tensors, with the step counts'
+        increment before it: what torch.optim.AdamW(fused=True).step() runs."""
         steps = [torch.zeros((), dtype=torch.float32) for _ in self.params]
-        return lambda: torch._fused_adamw_(
-            self.params, self.grads, self.exp_avgs, self.exp_avg_sqs, [], steps, lr=HYPER["lr"],
-            beta1=HYPER["beta1"], beta2=HYPER["beta2"], weight_decay=HYPER["weight_decay"], eps=HYPER["eps"],
-            amsgrad=False, maximize=False)
+
+        def run():
+            # NOTE: the op does not count the step itself; at a count of 0 its bias correction
+            # 1 - beta1**0 divides by zero and every tensor it touches turns NaN.
+            torch._foreach_add_(steps, 1)
+            torch._fused_adamw_(self.params, self.grads, self.exp_avgs, self.exp_avg_sqs, [], steps, lr=HYPER["lr"],
+                                beta1=HYPER["beta1"], beta2=HYPER["beta2"], weight_decay=HYPER["weight_decay"],
+                                eps=HYPER["eps"], amsgrad=False, maximize=False)
+        return run
 
     def torch_op_inverse(self):
         """The inverse AdamW step of the first step as in-place torch ops on the same fp32

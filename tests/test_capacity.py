@@ -103,7 +103,8 @@ def test_configuration_table_and_arguments(capacity):
     with pytest.raises(SystemExit):
         capacity.make_plan(capacity.parse_args(["--configs", "2b"]))
     for argv in (["--tokens", "100", "--seq-len", "64"], ["--seq-len", "0"], ["--json", "/nonexistent-dir/c.json"],
-                 ["--lr", "-1"], ["--lr", "nan"]):  # a bad --lr failed in each worker and the run exited 0
+                 ["--lr", "-1"], ["--lr", "nan"],  # a bad --lr failed in each worker and the run exited 0
+                 ["--steps", "1"]):  # its one step is the warm-up, which the step time leaves out
         with pytest.raises(SystemExit):
             capacity.parse_args(argv)
     plan = capacity.make_plan(capacity.parse_args(["--configs", "3b,1b", "--modes", "full_bf16"]))

@@ -71,3 +71,18 @@ def test_a_file_that_is_not_an_e2e_report_is_refused_by_name(tmp_path, capsys, c
     bench = load_benchmark("e2e_across_runs.py", "e2e_across_runs_bench")
     path = tmp_path / "run.json"
     assert message in refused_by_name(bench.main, [str(path)], path, content, capsys)
+
+
+def test_reports_nested_one_level_deeper_are_read(tmp_path, capsys):
+    """Files that keep their arms under "runs" or "arms" beside their commands (kept results of
+    arm comparisons) were refused, so the glob the profile gives exited 2."""
+    bench = load_benchmark("e2e_across_runs.py", "e2e_across_runs_bench")
+    f = tmp_path / "arms.json"
+    f.write_text(json.dumps({"source": "x", "arms": {"a": "command a", "b": "command b"}, "runs": {
+        "a": {"results": [_row("none", [0.2]), _row("full_overlap", [0.4], 0.3)]},
+        "b": {"results": [_row("none", [0.2]), _row("full_overlap", [0.5], 0.3)]}}}))
+    assert bench.ratios(_read(f), {"full_overlap"}) == [
+        ("full_overlap", pytest.approx(2.0), pytest.approx(1.5), pytest.approx(0.1), None),
+        ("full_overlap", pytest.approx(2.5), pytest.approx(1.5), pytest.approx(0.2), None)]
+    assert bench.main([str(f)]) == 0
+    assert "full_overlap: 2 runs" in capsys.readouterr().out

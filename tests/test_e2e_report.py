@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import math
 from pathlib import Path
 
 import pytest
@@ -186,3 +187,23 @@ def test_no_configuration_ran(e2e, tmp_path, monkeypatch, capsys):
                               meta={})
     with pytest.raises(ValueError, match="no configuration ran"):
         e2e.plot(report, str(png))
+
+
+@pytest.mark.parametrize("losses", [[10.0, float("nan"), float("nan")], [float("nan"), 9.0, 8.0],
+                                    [10.0, 9.0, float("inf")]])
+def test_a_loss_that_went_non_finite_is_reported_as_diverged(e2e, losses):
+    """max() over differences with a NaN among them depends on where the NaN falls: a run whose
+    loss went NaN after its first step read "loss within 0.0000 of none"."""
+    rows = e2e.summarize([_fake("none", 8192, [0.1] * 5, 40.0, losses=[10.0, 9.0, 8.0]),
+                          _fake("full", 8192, [0.2] * 5, 20.0, losses=losses)])
+    assert math.isnan(_row(rows, "full", 8192)["max_loss_diff_vs_none"])
+    text = "\n".join(e2e.summary_lines(rows))
+    assert "loss not finite where none's is (diverged)" in text and "loss within" not in text
+
+
+def test_equal_times_are_not_called_faster(e2e):
+    rows = e2e.summarize([_fake("none", 8192, [0.1] * 5, 40.0), _fake("full", 8192, [0.5] * 5, 20.0),
+                          _fake("fsdp_cpu", 8192, [0.5] * 5, 30.0)])
+    text = "\n".join(e2e.summary_lines(rows))
+    assert "as fast as FSDP2 CPUOffloadPolicy" in text and "faster than FSDP2" not in text
+    assert "target full faster than every reference row: NOT held" in text

@@ -135,3 +135,50 @@ def test_bench_refuses_a_numel_beyond_available_memory(monkeypatch, capsys):
     with pytest.raises(SystemExit) as e:
         bench.main(["--numel", "4099"])
     assert e.value.code == 2 and "--numel 4099 needs about 0.5 GiB" in capsys.readouterr().err
+
+
+def test_the_torch_reference_is_torch_adamw_and_every_timed_call_keeps_the_workload_finite():
+    """The torch row is one step of torch.optim.AdamW(fused=True) (whose step counts rise before the
+    op: at 0 its bias correction divides by zero), and no timed call leaves NaN for the next one."""
+    work = bench.Workload(4099, 3)
+    params = [torch.nn.Parameter(p.clone()) for p in work.params]
+    for p, g in zip(params, work.grads):
+        p.grad = g.clone()
+    torch_opt = torch.optim.AdamW(params, lr=bench.HYPER["lr"], betas=(bench.HYPER["beta1"], bench.HYPER["beta2"]),
+                                  eps=bench.HYPER["eps"], weight_decay=bench.HYPER["weight_decay"], fused=True)
+    torch_step = work.torch_fused_adamw()
+    for _ in range(2):
+        torch_step()
+        torch_opt.step()
+    for ours, theirs in zip(work.params, params):
+        assert torch.equal(ours, theirs.detach())
+    work.torch_op_inverse()()
+    for isa in kernels.available_isas():
+        with kernels.use_isa(isa):
+            for config in bench.CONFIGS:
+                work.run(config)
+                torch_step()
+    for name, tensors in vars(work).items():
+        if isinstance(tensors, list):
+            assert all(bool(t.float().isfinite().all()) for t in tensors), name
+
+
+@pytest.mark.parametrize("path", ["adamw fp32 grads", "adamw_inverse fp32 grads", "sign_sgd compute copy"])
+def test_reference_check_covers_every_timed_kernel_path(monkeypatch, path):
+    """A kernel wrong only on a path a timed configuration takes (fp32 gradients; SignSGD writing
+    the compute copy) fails the check, as one wrong on the bf16-gradient path does."""
+    name = {"adamw fp32 grads": "adamw_step", "adamw_inverse fp32 grads": "adamw_inverse_step",
+            "sign_sgd compute copy": "sign_sgd_step"}[path]
+    real = getattr(kernels, name)
+
+    def wrong_on_that_path(p, g, *args, **kw):
+        real(p, g, *args, **kw)
+        if path == "sign_sgd compute copy":
+            if kw.get("compute_params") is not None:
+                kw["compute_params"][0].view(torch.int16)[:1].bitwise_xor_(1)
+        elif g[0].dtype == torch.float32:
+            p[0].view(torch.int32)[:1].bitwise_xor_(1)
+
+    monkeypatch.setattr(kernels, name, wrong_on_that_path)
+    with pytest.raises(AssertionError, match="differ from cpu_offload.reference"):
+        bench.check_against_reference("scalar")
