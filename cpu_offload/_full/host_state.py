@@ -124,7 +124,10 @@ class ParamRecord:
     def live_step(self) -> torch.Tensor:
         """The step count as one live 0-d float32 tensor (made at the first call)."""
         if self.step_tensor is None:
-            self.step_tensor = torch.tensor(float(self.step), dtype=torch.float32)
+            # NOTE: made outside inference mode whatever the caller's (an evaluation that reads
+            # the state): an inference tensor could not be updated by the steps after it
+            with torch.inference_mode(False):
+                self.step_tensor = torch.tensor(float(self.step), dtype=torch.float32)
             # NOTE: read and written through numpy, about 0.04 us against fill_'s 0.7 us: every
             # step() reads and writes each count handed out
             self.step_view = self.step_tensor.numpy()
@@ -138,7 +141,8 @@ class ParamRecord:
         self.live_step()  # NOTE: gives shown_step its value the first time
         master_step = None if self.master_step_ref is None else self.master_step_ref()
         if master_step is None:
-            master_step = torch.tensor(float(self.shown_step), dtype=torch.float32)
+            with torch.inference_mode(False):  # NOTE: as live_step's
+                master_step = torch.tensor(float(self.shown_step), dtype=torch.float32)
             self.master_step_ref = weakref.ref(master_step)
         return master_step
 

@@ -1303,7 +1303,8 @@ class FullCPUOffloadOptimizer(WindowControls, torch.optim.Optimizer):
     def _enter(self, *, land: bool = True) -> None:
         ownership.check_same_process(self._pid)
         if self._proto.phase is Phase.CLOSED:
-            raise RuntimeError("this FullCPUOffloadOptimizer is closed")
+            raise RuntimeError("this FullCPUOffloadOptimizer is closed: take opt.state_dict() (the fp32 masters and "
+                               "moments) before close() to keep its state")
         self._proto.thread = threading.get_ident()
         self._settle()
         if land:

@@ -709,6 +709,18 @@ def test_close_is_idempotent_and_removes_hooks():
         off.step()
 
 
+@pytest.mark.parametrize("read", ["state_dict", "state"])
+def test_reading_the_state_of_a_closed_optimizer_says_to_take_state_dict_before_close(read):
+    """The fp32 masters are the only fp32 copy of the weights; a run that called close()
+    before saving got "this FullCPUOffloadOptimizer is closed" and no way out named."""
+    model, opt = build("adamw")
+    off = FullCPUOffloadOptimizer(opt, **SMALL)
+    off.close()
+    with pytest.raises(RuntimeError, match=r"closed: take opt.state_dict\(\) \(the fp32 masters and moments\) "
+                                           r"before close\(\)"):
+        off.state_dict() if read == "state_dict" else off.state[model.l1.weight]["master"]
+
+
 def test_close_in_the_middle_of_an_accumulation_window_says_it_drops_it():
     """close() after 1 of 3 backward passes dropped the accumulated gradients without a word."""
     model, opt = build("adamw")

@@ -13,7 +13,7 @@ import torch.nn as nn
 import cpu_offload
 from cpu_offload._full.optimizer import FullCPUOffloadOptimizer
 from cpu_offload.reference import adamw_reference_
-from helpers import HALF_STATE, SMALL, assert_same_state, batches, build, named, snapshot, through_torch_save
+from helpers import HALF_STATE, SMALL, assert_same_state, batches, build, named, snapshot, through_torch_save, train_step
 
 
 def _full(params, **options):
@@ -513,3 +513,38 @@ def test_pickling_or_copying_opt_state_gives_a_snapshot_as_torchs(gpu_state):
         assert torch.equal(off.state[p0]["exp_avg"], live[p0]["exp_avg"])
     finally:
         off.close()
+
+
+@pytest.mark.parametrize("first_read", ["state_dict", "state step"])
+def test_step_counts_first_handed_out_in_inference_mode_train_on_as_torch(first_read):
+    """An evaluation that kept ``opt.state_dict()`` (a best checkpoint held in memory) or read
+    ``opt.state[p]["step"]`` under ``torch.inference_mode()`` got step tensors made there:
+    inference tensors, which every later ``step()`` and ``state_dict()`` failed to update
+    ("Inplace update to inference tensor outside InferenceMode"), naming neither cause nor
+    library, and whose in-place edit failed; torch's AdamW trains on. Here the run equals
+    the one without that evaluation, bit for bit, and the kept counts are live."""
+    results = []
+    for evaluate in (True, False):
+        model, opt = build("adamw")
+        off = cpu_offload.offload_optimizer(opt, offload="full", pinned_bytes=1 << 16, num_slots=2)
+        try:
+            train_step(model, off, 0, 1)
+            off.step()
+            off.zero_grad()
+            if evaluate:
+                with torch.inference_mode():
+                    kept = off.state_dict() if first_read == "state_dict" else off.state[model.l1.weight]["step"]
+            for s in range(1, 3):
+                train_step(model, off, s, 1)
+                off.step()
+                off.zero_grad()
+            saved = off.state_dict()
+            if evaluate:
+                step = kept["state"][0]["step"] if first_read == "state_dict" else kept
+                assert int(step) == 3 and not step.is_inference()
+                off.state[model.l1.weight]["step"].fill_(3)  # an in-place edit as the docs allow
+            results.append((snapshot(off), int(saved["state"][0]["master_step"])))
+        finally:
+            off.close()
+    assert results[0][1] == results[1][1] == 3
+    assert_same_state(results[0][0], results[1][0])
