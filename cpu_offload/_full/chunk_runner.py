@@ -135,6 +135,14 @@ class ChunkRunner:
         self.stepped: list[SteppedPiece] = []  # each piece this window's step has stepped
         self._norm_sq = 0.0  # squared 2-norm of this rank's gradients read so far in the window
         self._norm_recs: set = set()  # records whose whole-parameter norm _norm_sq holds
+        self._arrivals: list = []  # the window's optimizer chunks in the order they were queued
+        self._decided = 0  # how many of them have their speculative-step decision (``held``)
+
+    def arrived(self, chunk) -> None:
+        """``chunk`` is queued (the pipeline's lock held): optimizer chunks are noted in order."""
+        if chunk.final and chunk.arrival is None:  # NOTE: a chunk queued again on recovery keeps its place
+            chunk.arrival = len(self._arrivals)
+            self._arrivals.append(chunk)
 
     def forget_plans(self) -> None:
         self._plans.clear()
@@ -171,10 +179,7 @@ class ChunkRunner:
             for kept, grad in plan.retain_copies:
                 kept.copy_(grad)
             t1 = time.perf_counter()
-            if chunk.final and self.track_norms:
-                self.phase = "gradient norms"
-                self._read_norms(chunk)
-            if chunk.final and ((self.skip_nonfinite and self.nonfinite) or self._hold_back(chunk)):
+            if chunk.final and self._held(chunk):
                 with self._lock:
                     self.stats["grad_wait_s"] += grad_wait
                     self.stats["h2d_slot_wait_s"] += h2d_wait
@@ -257,6 +262,30 @@ class ChunkRunner:
                 srcs.append(c.out)
         return dsts, srcs
 
+    def _held(self, chunk) -> bool:
+        """Whether the optimizer chunk ``chunk`` is left unstepped until step(): a non-finite
+        gradient in it or before it, or ``_hold_back``.
+
+        NOTE: decided in the order the chunks were queued, whatever order the worker runs them in
+        (last-arrived first with ``forward_order``): what a rollback undoes, and so its rounding,
+        is then the same in every run. Without accumulation the norms of the chunks queued
+        before this one are on the host once its own gradients have landed (the copies and the
+        norms share one ordered stream); with accumulation the norms are of the sums the chunks
+        complete, and the worker runs optimizer chunks in queueing order
+        (``Pipeline.forward_order`` is off there)."""
+        if not self.track_norms:
+            return self._hold_back(chunk)
+        self.phase = "gradient norms"
+        if self.accumulate or chunk.arrival is None:
+            self._read_norms(chunk)
+            return (self.skip_nonfinite and self.nonfinite) or self._hold_back(chunk)
+        while self._decided <= chunk.arrival:
+            earlier = self._arrivals[self._decided]
+            self._read_norms(earlier)
+            earlier.held = (self.skip_nonfinite and self.nonfinite) or self._hold_back(earlier)
+            self._decided += 1
+        return chunk.held
+
     def _hold_back(self, chunk) -> bool:
         """Whether this chunk (and the window's later ones) waits for step(): the window
         defers its step (validation.py says when), or its speculative AdamW step could
@@ -287,6 +316,14 @@ class ChunkRunner:
         if self.algorithm != "adamw" or self.clip_limit is None:
             return False
         return math.sqrt(self._norm_sq) * chunk.hparams[0]["grad_scale"] > self.clip_limit
+
+    def would_clip(self, recs: list, chunk) -> bool:
+        """Whether the gradients of ``recs`` (a window's, norms read) exceed the window's likely
+        clipping limit, so that the worker holds some chunk of ``chunk`` (a Pass) back
+        (``_will_clip``; the norm of what it has read is at most theirs)."""
+        if not (chunk.speculative and self.algorithm == "adamw" and self.track_norms and self.clip_limit is not None):
+            return False
+        return math.sqrt(sum(r.grad_sq for r in recs)) * chunk.hparams[0]["grad_scale"] > self.clip_limit
 
     def could_overflow(self, recs: list, chunk) -> bool:
         """Whether the speculative step of one of ``recs`` with the hyper-parameters of

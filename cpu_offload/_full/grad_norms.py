@@ -37,7 +37,12 @@ def check_norm_type(norm_type) -> float:
 
 def local_norm(grad: torch.Tensor, norm_type: float = 2.0) -> torch.Tensor:
     """|grad|_p of one (local) gradient as a 0-d float64 tensor on ``grad``'s device: the
-    reduction runs in float64 (the NOTE above), whatever ``grad``'s dtype."""
+    reduction runs in float64 (the NOTE above), whatever ``grad``'s dtype. An empty gradient (a
+    0-element parameter, an FSDP2 shard of a parameter with fewer rows than ranks) gives 0 for
+    every order, inf included, where torch's inf-norm of it raises: each rank then reaches the
+    norm's all-reduce."""
+    if grad.numel() == 0:
+        return torch.zeros((), dtype=torch.float64, device=grad.device)
     return torch.linalg.vector_norm(grad, norm_type, dtype=torch.float64)
 
 

@@ -20,9 +20,10 @@ import torch
 from cpu_offload._common.dtensor import is_dtensor, local_of
 
 __all__ = [
-    "ParamRecord", "HostBuffers", "collect_records", "check_fsdp_not_started", "host_bytes_needed",
-    "available_host_ram", "check_host_ram", "allocate_host_state", "cast_param", "cast_to_compute", "restore_dtypes",
-    "note_versions", "check_moved_storage", "take_changed_elements", "adopt_external_weights", "adopt_edits_before_step",
+    "ParamRecord", "HostBuffers", "collect_records", "check_fsdp_not_started", "check_fsdp_uniform_dtypes",
+    "host_bytes_needed", "available_host_ram", "check_host_ram", "allocate_host_state", "cast_param", "cast_to_compute",
+    "restore_dtypes", "note_versions", "check_moved_storage", "take_changed_elements", "adopt_external_weights",
+    "adopt_edits_before_step",
     "write_compute_copies", "show_steps",
 ]
 
@@ -264,28 +265,55 @@ def check_fsdp_not_started(records: list[ParamRecord]) -> None:
     owned = {id(r.param): r for r in records if r.is_dtensor}
     if not owned:
         return
-    try:
-        from torch.distributed._composable_state import _module_state_mapping
-
-        states = [ref() for ref in list(_module_state_mapping.values())]
-        started = []
-        for state in states:
-            if state is None or getattr(state, "_is_root", None) is None:
-                continue
-            groups = getattr(state, "_fsdp_param_groups", None)  # torch >= 2.12: several per module
-            if groups is None:
-                single = getattr(state, "_fsdp_param_group", None)
-                groups = [single] if single is not None else []
-            for group in groups:
-                started += [owned[id(fp.sharded_param)] for fp in group.fsdp_params if id(fp.sharded_param) in owned]
-    except Exception:  # pragma: no cover - other torch versions
-        return
+    started = [owned[id(p)] for params in _fsdp_param_groups(started=True) for p in params if id(p) in owned]
     if started:
         raise RuntimeError(
             f"parameter {started[0].name} belongs to an FSDP2 module that already ran a forward pass; FSDP2 "
             "fixes parameter dtypes at its first forward, so call offload_optimizer(..., offload='full') "
             "after fully_shard() and before the first forward"
         )
+
+
+def check_fsdp_uniform_dtypes(records: list[ParamRecord], *, compute_dtype: torch.dtype, keep_fp32: set[int]) -> None:
+    """Raise if the casts ``cast_to_compute`` would make leave one FSDP2 parameter group in
+    two dtypes: FSDP2 all-gathers a group in one dtype and fails at its first forward
+    ("FSDP expects uniform original parameter dtype"), naming neither option.
+    NOTE: reads FSDP2 internals, as ``check_fsdp_not_started``."""
+    owned = {id(r.param): r for r in records if r.is_dtensor}
+    if not owned:
+        return
+    for params in _fsdp_param_groups(started=False):
+        dtypes = {}
+        for p in params:
+            target = p.dtype if id(p) not in owned else torch.float32 if id(p) in keep_fp32 else compute_dtype
+            dtypes.setdefault(target, owned[id(p)].name if id(p) in owned else f"a parameter of shape {tuple(p.shape)}")
+        if len(dtypes) > 1:
+            (a, name_a), (b, name_b) = sorted(dtypes.items(), key=str)[:2]
+            raise ValueError(
+                f"parameters of one FSDP2 group would be left in two dtypes ({a} and {b}: {name_a} in {a}, {name_b} "
+                f"in {b}), which FSDP2 cannot all-gather; give the parameters kept in float32 (keep_fp32) a "
+                "fully_shard of their own, or keep the whole group in one dtype")
+
+
+def _fsdp_param_groups(*, started: bool):
+    """The sharded parameters of each FSDP2 parameter group alive (only those whose module
+    ran its first forward if ``started``); nothing where FSDP2's internals differ."""
+    try:
+        from torch.distributed._composable_state import _module_state_mapping
+
+        states = [ref() for ref in list(_module_state_mapping.values())]
+        found = []
+        for state in states:
+            if state is None or (started and getattr(state, "_is_root", None) is None):
+                continue
+            groups = getattr(state, "_fsdp_param_groups", None)  # torch >= 2.12: several per module
+            if groups is None:
+                single = getattr(state, "_fsdp_param_group", None)
+                groups = [single] if single is not None else []
+            found += [[fp.sharded_param for fp in group.fsdp_params] for group in groups if group is not None]
+    except Exception:  # pragma: no cover - other torch versions
+        return []
+    return found
 
 
 @dataclass(eq=False)

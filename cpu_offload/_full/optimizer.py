@@ -43,7 +43,7 @@ from cpu_offload._common.backward_end import NextForwardHook, outside_backward, 
 from cpu_offload._common.checks import position_of
 from cpu_offload._full.host_state import (
     adopt_edits_before_step, adopt_external_weights, allocate_host_state, allocate_retained, available_host_ram,
-    cast_to_compute, check_fsdp_not_started, check_host_ram, check_moved_storage,
+    cast_to_compute, check_fsdp_not_started, check_fsdp_uniform_dtypes, check_host_ram, check_moved_storage,
     collect_records, host_bytes_needed, note_versions, restore_dtypes, show_steps, write_compute_copies,
 )
 from cpu_offload._common.dtensor import local_of
@@ -330,6 +330,7 @@ class FullCPUOffloadOptimizer(WindowControls, torch.optim.Optimizer):
         ownership.check_not_cast(records)
         ownership.check_not_ddp(records)
         check_fsdp_not_started(records)
+        check_fsdp_uniform_dtypes(records, compute_dtype=compute_dtype, keep_fp32=keep)
         device = records[0].local().device
         moments = self._algorithm == "adamw"
         accumulate = grad_accum_steps > 1

@@ -45,8 +45,20 @@ def _note_ddp(owner, name, submodule):
     hooks. Installed when this module is imported (``import cpu_offload``), so
     it sees every DDP built after that: one isinstance check per submodule
     registration, no walk over the heap. Returns None (keeps the submodule).
+
+    A DDP over parameters a full-offload optimizer already trains (the frameworks'
+    multi-process path without FSDP wraps the model after the optimizer) is refused
+    here, in DDP's ``__init__``, before any collective: full offload would step each rank
+    with its own gradient before DDP's all-reduce.
     """
     if name == "module" and isinstance(owner, torch.nn.parallel.DistributedDataParallel):
+        for param_name, p in submodule.named_parameters():
+            if owner_of(p) is not None:
+                raise RuntimeError(
+                    f"parameter {param_name} is trained by a full-offload optimizer: DistributedDataParallel would "
+                    "all-reduce its gradient after full offload stepped each rank with its own, so the ranks would "
+                    "diverge; use FSDP2 (fully_shard; with accelerate or HF Trainer, an FSDP config) or "
+                    "offload='optimizer'")
         _ddp_instances.add(owner)
 
 

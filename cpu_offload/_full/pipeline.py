@@ -79,6 +79,8 @@ class Chunk:
     used: int = 0  # bytes used in the slot
     marker: Any = None  # completion of the D2H copies into the slot
     taken: bool = False  # the worker has taken it from the queue
+    arrival: Optional[int] = None  # its place among the window's optimizer chunks, in queueing order
+    held: bool = False  # not stepped speculatively (ChunkRunner.decide_in_arrival_order)
 
     def describe(self) -> str:
         names = []
@@ -316,7 +318,7 @@ class Pipeline:
         """Without accumulation, with norm tracking: set each record's ``grad_sq`` from the
         norm copied from the device (the worker reads the same values later) once every
         gradient copy has landed, before the worker stepped it. True if one is NaN or Inf,
-        or if stepping it speculatively could overflow (the worker would hold it back)."""
+        or if stepping it speculatively could overflow or clips (the worker would hold it back)."""
         marker = self.transfer.d2h_marker()
         wait_until(lambda: self.transfer.is_done(marker), timeout_s=self.timeout_s, what="the gradient copies",
                    diagnose=self.diagnose)
@@ -324,7 +326,8 @@ class Pipeline:
         for rec in recs:
             n = norms[rec.index]
             rec.grad_sq = n * n
-        return any(not math.isfinite(rec.grad_sq) for rec in recs) or self._runner.could_overflow(recs, self._cur)
+        return (any(not math.isfinite(rec.grad_sq) for rec in recs) or self._runner.could_overflow(recs, self._cur)
+                or self._runner.would_clip(recs, self._cur))
 
     def wait_stepped(self, recs: list) -> None:
         """Wait until each of ``recs`` has its window's step counted, or until the worker has
@@ -460,6 +463,7 @@ class Pipeline:
             # exception between the two lines then leaves the chunk unqueued (queued again on
             # recovery) rather than queued with the worker left asleep.
             self._cv.notify_all()
+            self._runner.arrived(chunk)
             self._queue.append(chunk)
 
     def _release_input(self, chunk: Chunk) -> None:

@@ -22,6 +22,7 @@ import pytest
 import torch
 import torch.nn as nn
 
+from cpu_offload._full.chunk_runner import ChunkRunner
 from cpu_offload._full.host_state import ParamRecord
 from cpu_offload._full.optimizer import FullCPUOffloadOptimizer
 from cpu_offload._full.pipeline import Chunk, Pipeline
@@ -53,24 +54,32 @@ def assert_same(a, b):
             assert x == y if not torch.is_tensor(x) else torch.equal(x, y), n
 
 
-def train(kind, *, overlap, steps=6, k=1, gate=None, clip=None, nan_step=None, **opts):
+def train(kind, *, overlap, steps=6, k=1, gate=None, clip=None, clip_steps=None, nan_step=None, nan_param=None,
+          **opts):
     """``build(kind)`` trained for ``steps`` windows of ``k`` passes; with a ``gate``, the
     kernels are held during each window's last backward, so that step() returns with the
-    window in flight (the next forward opens it). Returns the model, the wrapper and how many steps returned landing."""
+    window in flight (the next forward opens it). Returns the model, the wrapper and how many steps returned landing.
+    ``clip_steps``: the steps that clip (all if None); ``nan_param``: the one parameter whose
+    gradient is NaN at ``nan_step`` (else the loss is)."""
     model, opt = build(kind)
     off = FullCPUOffloadOptimizer(opt, grad_accum_steps=k, overlap_forward=model if overlap else None,
                                   **{**RINGS, **opts})
     landing = 0
     for s in range(steps):
+        hook = None
+        if s == nan_step and nan_param is not None:
+            hook = dict(model.named_parameters())[nan_param].register_hook(lambda g: g * float("nan"))
         for m, (x, extra) in enumerate(batches(s, k)):
             loss = model(x.to(torch.bfloat16), use_extra=extra).float().pow(2).mean()  # opens the gate
-            if s == nan_step:
+            if s == nan_step and nan_param is None:
                 loss = loss * float("nan")
             if gate is not None and m == k - 1:
                 off.wait_for_weights()  # NOTE: the worker may still be closing the last chunk
                 gate.close()
             loss.backward()
-        if clip is not None:
+        if hook is not None:
+            hook.remove()
+        if clip is not None and (clip_steps is None or s in clip_steps):
             off.clip_grad_norm_(clip)
         off.step()
         landing += off._proto.landing
@@ -97,6 +106,46 @@ def test_overlap_equals_the_plain_run_bit_for_bit(monkeypatch, kind, opts):
     assert_same(state_of(model, off), want)
     check_split(off, opts)
     off.close()
+
+
+class ChunkGate(Gate):
+    """Holds the worker at the start of each chunk while closed (not only its kernels, as
+    Gate does): step() then returns before the worker has decided anything about the
+    window's chunks, which it then takes last-arrived first."""
+
+    def __init__(self, monkeypatch):
+        super().__init__(monkeypatch)
+        real = ChunkRunner.run
+
+        def gated(runner, chunk):
+            assert self.opened.wait(30), "the gate was never opened"
+            return real(runner, chunk)
+        monkeypatch.setattr(ChunkRunner, "run", gated)
+
+
+@pytest.mark.parametrize("case", ["a NaN in the last parameter to arrive", "a clip limit known, no clip",
+                                  "a clip limit known, clipping again"])
+def test_what_a_rollback_undoes_does_not_depend_on_the_order_the_worker_runs_chunks(monkeypatch, case):
+    """The worker takes optimizer chunks last-arrived first under overlap_forward, so which
+    chunks it had stepped when a non-finite gradient or a gradient norm above the last clip's
+    limit stopped the speculative step depended on its timing, and so did the rounding of
+    their rollback: a run differed from the run without the option (masters by an ulp). Where
+    step() returned before the worker had run a chunk, a known clip limit exceeded by a
+    window that did not clip made the next call raise ProtocolError ("the worker held back a
+    chunk after step() had returned"). The decisions are now taken in arrival order, and such
+    a window lands before step() returns."""
+    opts = {"a NaN in the last parameter to arrive": dict(nan_step=2, nan_param="l1.weight"),
+            "a clip limit known, no clip": dict(clip=0.05, clip_steps={2, 3}, steps=7),
+            "a clip limit known, clipping again": dict(clip=0.05, clip_steps={2, 3, 6}, steps=8)}[case]
+    rings = dict(pinned_bytes=1 << 16, num_slots=8)  # 4 KiB slots: four optimizer chunks a window
+    model, off, _ = train("adamw", overlap=False, **rings, **opts)
+    want = state_of(model, off)
+    off.close()
+    for gate in (Gate, ChunkGate):
+        model, off, _ = train("adamw", overlap=True, gate=gate(monkeypatch), **rings, **opts)
+        assert_same(state_of(model, off), want)
+        off.close()
+        monkeypatch.undo()
 
 
 @pytest.mark.parametrize("case", ["clip every step", "clip never", "nan", "accumulation", "accumulation, no guard",

@@ -559,3 +559,43 @@ WORKERS = {"--worker": worker, "--clip-worker": clip_worker, "--window-worker": 
 
 if __name__ == "__main__" and sys.argv[1:2] and sys.argv[1] in WORKERS:
     rank_main(lambda: WORKERS[sys.argv[1]](sys.argv[2]))
+
+
+@pytest.mark.parametrize("how", ["the norm kept", "the linears kept"])
+def test_parameters_of_one_fsdp2_group_left_in_two_dtypes_are_refused_at_construction(gloo_group, how):
+    """keep_fp32 for a LayerNorm inside a block's fully_shard (the usual layout) was accepted,
+    then the first forward failed inside FSDP2 ("FSDP expects uniform original parameter
+    dtype"), naming neither the option nor a remedy. Refused now before anything changes, with
+    the remedy; the LayerNorm in a fully_shard of its own trains."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    from cpu_offload import offload_optimizer
+
+    def build(norm_apart):
+        torch.manual_seed(0)
+        model = nn.Sequential(nn.Linear(8, 8), nn.LayerNorm(8), nn.Linear(8, 2))
+        mesh = init_device_mesh("cpu", (1,))
+        if norm_apart:
+            fully_shard(model[1], mesh=mesh)
+        fully_shard(model, mesh=mesh)
+        return model
+
+    model = build(norm_apart=False)
+    options = (dict(keep_fp32=list(model[1].parameters())) if how == "the norm kept"
+               else dict(keep_fp32=list(model[0].parameters()) + list(model[2].parameters())))
+    with pytest.raises(ValueError, match=r"parameters of one FSDP2 group would be left in two dtypes \(torch.bfloat16 "
+                                         r"and torch.float32: param_groups\[0\]\[\d\] in torch.bfloat16, "
+                                         r"param_groups\[0\]\[\d\] in torch.float32\).*give the parameters kept in "
+                                         r"float32 \(keep_fp32\) a fully_shard of their own"):
+        offload_optimizer(torch.optim.AdamW(model.parameters()), offload="full", **options)
+    assert all(p.dtype == torch.float32 for p in model.parameters())  # nothing changed
+    model = build(norm_apart=True)
+    opt = offload_optimizer(torch.optim.AdamW(model.parameters()), offload="full",
+                            keep_fp32=list(model[1].parameters()))
+    try:
+        model(torch.randn(4, 8).bfloat16()).float().sum().backward()
+        opt.step()
+        assert model[1].weight.dtype == torch.float32 and model[0].weight.dtype == torch.bfloat16
+    finally:
+        opt.close()

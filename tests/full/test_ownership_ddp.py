@@ -50,3 +50,27 @@ def test_model_without_ddp_under_a_process_group_is_accepted(gloo_group, monkeyp
     finally:
         opt.close()
     del other
+
+
+def test_ddp_built_after_the_wrap_is_refused_at_its_construction(gloo_group):
+    """The frameworks' multi-process path without FSDP (accelerate's MULTI_GPU, HF Trainer's
+    DDP) wraps the model in DDP after the optimizer was wrapped. That DDP was accepted: each
+    backward stepped every rank with its own gradient, before DDP's all-reduce, so the ranks
+    diverged, and step() then blamed FSDP2 or swapped tensors. DDP's construction is refused
+    now, naming the parameter, and the optimizer trains on as before."""
+    torch.manual_seed(2)
+    model = nn.Sequential(nn.Linear(8, 8), nn.GELU(), nn.Linear(8, 2))
+    opt = FullCPUOffloadOptimizer(torch.optim.AdamW(model.parameters()), **SMALL)
+    try:
+        with pytest.raises(RuntimeError, match=r"parameter 0\.weight is trained by a full-offload optimizer: "
+                                               r"DistributedDataParallel .* use FSDP2"):
+            nn.parallel.DistributedDataParallel(model)
+        with pytest.raises(RuntimeError, match=r"parameter weight is trained"):  # a part of the model too
+            nn.parallel.DistributedDataParallel(model[2])
+        before = model[0].weight.detach().clone()
+        model(torch.randn(3, 8).to(torch.bfloat16)).float().sum().backward()
+        opt.step()
+        assert not torch.equal(before, model[0].weight.detach())
+    finally:
+        opt.close()
+    nn.parallel.DistributedDataParallel(model)  # closed: the parameters are free again

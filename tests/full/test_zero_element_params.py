@@ -4,6 +4,7 @@
 # skipped step, clipping's rollback and redo, zero_grad(set_to_none=False), checkpoints),
 # and their presence must not change a bit of the other parameters' results.
 import contextlib
+import math
 import os
 
 import pytest
@@ -120,6 +121,29 @@ def test_clipping_rollback_and_redo_count_once(k, grad_copy):
     assert run.opt.stats()["clip_coef"] < 1
     assert run.steps()["e1"] == 4
     run.check()
+    _same_layers(run, plain)
+
+
+@pytest.mark.parametrize("k", [1, 2])
+@pytest.mark.parametrize("norm_type", [float("inf"), 3.0])
+def test_clipping_by_any_norm_is_not_changed_by_empty_parameters(k, norm_type):
+    """The inf-norm of an empty gradient (a 0-element parameter, or an FSDP2 shard of a
+    parameter with fewer rows than ranks) raised torch's "cannot compute the inf norm on an
+    empty tensor", and under FSDP2 left the other ranks in the norm's all-reduce; an empty
+    gradient adds nothing to any norm."""
+    seed = _seed()
+    run, plain = Run(seed, k=k), Run(seed, empties=False, k=k)
+    for s in range(3):
+        norms = []
+        for r in (run, plain):
+            r.window = {}
+            for _ in range(k):
+                r.backward(scale=[3.0, 0.2, 5.0][s])
+            norms.append(r.opt.clip_grad_norm_(0.05, norm_type=norm_type))
+            r.opt.step()
+            r.opt.zero_grad()
+        assert norms[0] == norms[1] and math.isfinite(norms[0]), norms
+    assert run.opt.stats()["clip_coef"] < 1 and run.steps()["e1"] == 3
     _same_layers(run, plain)
 
 
