@@ -4,8 +4,6 @@
 # forward wait through the optimizer, and every run equals the same run without the option
 # bit for bit: AdamW with fp32 and bf16 moments, SignSGD, clipping that redoes steps, a NaN
 # step, accumulation windows, grad_copy="host", part of the state on the device (gpu_state=).
-# (A rolled-back step can differ from it by the rollback's error where the worker had stepped
-# chunks out of arrival order: docs/checkpoints.md.)
 # A worker failure after step() surfaces on the caller's thread in the next forward, and an
 # interrupt while a forward waits leaves nothing behind. torch's attention layers wait for
 # their children's weights; the model pickles, and its copies' hooks wait for nothing.
