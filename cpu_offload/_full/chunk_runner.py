@@ -141,8 +141,11 @@ class ChunkRunner:
     def arrived(self, chunk) -> None:
         """``chunk`` is queued (the pipeline's lock held): optimizer chunks are noted in order."""
         if chunk.final and chunk.arrival is None:  # NOTE: a chunk queued again on recovery keeps its place
-            chunk.arrival = len(self._arrivals)
+            # NOTE: appended first: an interrupt between the two lines leaves the chunk listed
+            # without its place, and queued again it is listed twice (deciding it twice is
+            # harmless); the other order would leave a place that names another chunk
             self._arrivals.append(chunk)
+            chunk.arrival = len(self._arrivals) - 1
 
     def forget_plans(self) -> None:
         self._plans.clear()
