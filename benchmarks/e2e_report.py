@@ -67,14 +67,16 @@ def summarize(results: list[dict]) -> list[dict]:
 
 
 def _max_loss_diff(a: Optional[list], b: Optional[list]) -> Optional[float]:
-    """The largest |loss - none's loss| over the steps both ran; NaN where a loss is not finite
-    and none's is (a diverged run; max() alone would skip a NaN after the first step)."""
+    """The largest |loss - none's loss| over the steps both ran with finite losses; NaN where a
+    loss is not finite and none's is (a diverged run; max() alone would skip a NaN after the
+    first step); None where no step has both finite."""
     if not a or not b:
         return None
     pairs = list(zip(a, b))
     if any(not math.isfinite(x) and math.isfinite(y) for x, y in pairs):
         return math.nan
-    return max(abs(x - y) for x, y in pairs)
+    finite = [abs(x - y) for x, y in pairs if math.isfinite(x) and math.isfinite(y)]
+    return max(finite) if finite else None
 
 
 def _cell(value, fmt: str) -> str:

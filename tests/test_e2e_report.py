@@ -201,6 +201,16 @@ def test_a_loss_that_went_non_finite_is_reported_as_diverged(e2e, losses):
     assert "loss not finite where none's is (diverged)" in text and "loss within" not in text
 
 
+def test_a_baseline_that_diverged_does_not_make_full_read_as_diverged(e2e):
+    rows = e2e.summarize([_fake("none", 8192, [0.1] * 5, 40.0, losses=[10.0, float("nan"), float("nan")]),
+                          _fake("full", 8192, [0.2] * 5, 20.0, losses=[10.5, 9.0, 8.0])])
+    assert _row(rows, "full", 8192)["max_loss_diff_vs_none"] == pytest.approx(0.5)  # the steps both ran finite
+    rows = e2e.summarize([_fake("none", 8192, [0.1] * 5, 40.0, losses=[float("nan")] * 2),
+                          _fake("full", 8192, [0.2] * 5, 20.0, losses=[float("nan")] * 2)])
+    assert _row(rows, "full", 8192)["max_loss_diff_vs_none"] is None
+    assert "diverged" not in "\n".join(e2e.summary_lines(rows))
+
+
 def test_equal_times_are_not_called_faster(e2e):
     rows = e2e.summarize([_fake("none", 8192, [0.1] * 5, 40.0), _fake("full", 8192, [0.5] * 5, 20.0),
                           _fake("fsdp_cpu", 8192, [0.5] * 5, 30.0)])

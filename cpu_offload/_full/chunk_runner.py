@@ -140,12 +140,12 @@ class ChunkRunner:
 
     def arrived(self, chunk) -> None:
         """``chunk`` is queued (the pipeline's lock held): optimizer chunks are noted in order."""
-        if chunk.final and chunk.arrival is None:  # NOTE: a chunk queued again on recovery keeps its place
-            # NOTE: appended first: an interrupt between the two lines leaves the chunk listed
-            # without its place, and queued again it is listed twice (deciding it twice is
-            # harmless); the other order would leave a place that names another chunk
+        # NOTE: a chunk queued again on recovery keeps its place; placed is read from the list, so
+        # that an interrupt between the two lines below leaves it to be placed again
+        placed = chunk.arrival is not None and chunk.arrival < len(self._arrivals) and self._arrivals[chunk.arrival] is chunk
+        if chunk.final and not placed:
+            chunk.arrival = len(self._arrivals)
             self._arrivals.append(chunk)
-            chunk.arrival = len(self._arrivals) - 1
 
     def forget_plans(self) -> None:
         self._plans.clear()
@@ -279,12 +279,13 @@ class ChunkRunner:
         if not self.track_norms:
             return self._hold_back(chunk)
         self.phase = "gradient norms"
-        if self.accumulate or chunk.arrival is None:
+        if self.accumulate:
             self._read_norms(chunk)
             return (self.skip_nonfinite and self.nonfinite) or self._hold_back(chunk)
+        device_norms = self.device_norms.tolist()  # NOTE: one read for every chunk decided here (GIL)
         while self._decided <= chunk.arrival:
             earlier = self._arrivals[self._decided]
-            self._read_norms(earlier)
+            self._read_norms(earlier, device_norms)
             earlier.held = (self.skip_nonfinite and self.nonfinite) or self._hold_back(earlier)
             self._decided += 1
         return chunk.held
@@ -320,13 +321,23 @@ class ChunkRunner:
             return False
         return math.sqrt(self._norm_sq) * chunk.hparams[0]["grad_scale"] > self.clip_limit
 
-    def would_clip(self, recs: list, chunk) -> bool:
-        """Whether the gradients of ``recs`` (a window's, norms read) exceed the window's likely
-        clipping limit, so that the worker holds some chunk of ``chunk`` (a Pass) back
-        (``_will_clip``; the norm of what it has read is at most theirs)."""
-        if not (chunk.speculative and self.algorithm == "adamw" and self.track_norms and self.clip_limit is not None):
+    def would_clip(self, device_norms: list, pass_) -> bool:
+        """Whether the worker will hold some optimizer chunk of the window back for a known
+        clipping limit (``_will_clip``), every chunk queued and ``device_norms`` read: the
+        2-norm of their gradients summed as the worker sums it, in arrival order, exceeds it.
+        NOTE: the same additions of non-negative terms in the same order: each partial sum the
+        worker compares is at most this total, bit for bit, so where this is False it holds
+        nothing back."""
+        if not (pass_.speculative and self.algorithm == "adamw" and self.track_norms and self.clip_limit is not None):
             return False
-        return math.sqrt(sum(r.grad_sq for r in recs)) * chunk.hparams[0]["grad_scale"] > self.clip_limit
+        total, seen = 0.0, set()
+        for chunk in self._arrivals:
+            for p in chunk.pieces:
+                if p.rec.index not in seen:
+                    seen.add(p.rec.index)
+                    n = device_norms[p.rec.index]
+                    total += n * n
+        return math.sqrt(total) * pass_.hparams[0]["grad_scale"] > self.clip_limit
 
     def could_overflow(self, recs: list, chunk) -> bool:
         """Whether the speculative step of one of ``recs`` with the hyper-parameters of
@@ -335,12 +346,12 @@ class ChunkRunner:
             return False
         return any(math.sqrt(r.grad_sq) * chunk.hparams[r.group]["grad_scale"] > _SAFE_GRAD for r in recs)
 
-    def _read_norms(self, chunk) -> None:
-        """Each piece's gradient norm: from the device's per-parameter norm, or of the
-        host accumulator (which now holds the window's sum); sets ``nonfinite``."""
-        # NOTE: one read of every norm for the whole chunk, not one tensor read per piece
-        # (each would drop and retake the GIL: _copy_lists).
-        device_norms = None if self.accumulate else self.device_norms.tolist()
+    def _read_norms(self, chunk, device_norms: Optional[list] = None) -> None:
+        """Each piece's gradient norm: from the device's per-parameter norm (``device_norms``,
+        read by the caller), or of the host accumulator (which now holds the window's sum);
+        sets ``nonfinite``."""
+        # NOTE: one read of every norm, not one tensor read per piece (each would drop and
+        # retake the GIL: _copy_lists).
         for p in chunk.pieces:
             if self.accumulate:
                 n = float(local_norm(p.rec.accum[p.start : p.start + p.numel]))

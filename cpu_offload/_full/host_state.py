@@ -275,24 +275,30 @@ def check_fsdp_not_started(records: list[ParamRecord]) -> None:
 
 
 def check_fsdp_uniform_dtypes(records: list[ParamRecord], *, compute_dtype: torch.dtype, keep_fp32: set[int]) -> None:
-    """Raise if the casts ``cast_to_compute`` would make leave one FSDP2 parameter group in
-    two dtypes: FSDP2 all-gathers a group in one dtype and fails at its first forward
-    ("FSDP expects uniform original parameter dtype"), naming neither option.
+    """Raise if the casts ``cast_to_compute`` would leave the trainable parameters of one
+    FSDP2 parameter group in two dtypes: FSDP2 requires them to share one and fails at its
+    first forward ("FSDP expects uniform original parameter dtype"), naming neither option.
+    Frozen parameters may differ (a frozen fp32 base beside trained weights), and groups
+    holding none of ``records`` are not this wrap's.
     NOTE: reads FSDP2 internals, as ``check_fsdp_not_started``."""
     owned = {id(r.param): r for r in records if r.is_dtensor}
     if not owned:
         return
     for params in _fsdp_param_groups(started=False):
+        if not any(id(p) in owned for p in params):
+            continue
         dtypes = {}
         for p in params:
+            if not p.requires_grad:
+                continue
             target = p.dtype if id(p) not in owned else torch.float32 if id(p) in keep_fp32 else compute_dtype
             dtypes.setdefault(target, owned[id(p)].name if id(p) in owned else f"a parameter of shape {tuple(p.shape)}")
         if len(dtypes) > 1:
             (a, name_a), (b, name_b) = sorted(dtypes.items(), key=str)[:2]
             raise ValueError(
-                f"parameters of one FSDP2 group would be left in two dtypes ({a} and {b}: {name_a} in {a}, {name_b} "
-                f"in {b}), which FSDP2 cannot all-gather; give the parameters kept in float32 (keep_fp32) a "
-                "fully_shard of their own, or keep the whole group in one dtype")
+                f"the trainable parameters of one FSDP2 group would be left in two dtypes ({a} and {b}: {name_a} in "
+                f"{a}, {name_b} in {b}), and FSDP2 requires one dtype among them; give the parameters kept in "
+                "float32 (keep_fp32) a fully_shard of their own, or keep the whole group in one dtype")
 
 
 def _fsdp_param_groups(*, started: bool):

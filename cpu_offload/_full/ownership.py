@@ -52,8 +52,9 @@ def _note_ddp(owner, name, submodule):
     with its own gradient before DDP's all-reduce.
     """
     if name == "module" and isinstance(owner, torch.nn.parallel.DistributedDataParallel):
+        ignored = set(getattr(submodule, "_ddp_params_and_buffers_to_ignore", ()))  # DDP leaves these alone
         for param_name, p in submodule.named_parameters():
-            if owner_of(p) is not None:
+            if param_name not in ignored and owner_of(p) is not None:
                 raise RuntimeError(
                     f"parameter {param_name} is trained by a full-offload optimizer: DistributedDataParallel would "
                     "all-reduce its gradient after full offload stepped each rank with its own, so the ranks would "
@@ -221,8 +222,9 @@ def check_not_ddp(records) -> None:
     for ddp in list(_ddp_instances):
         module = getattr(ddp, "module", None)
         if module is not None:
-            for p in module.parameters():
-                if id(p) in ours:
+            ignored = set(getattr(ddp, "parameters_to_ignore", ()))  # DDP leaves these alone
+            for param_name, p in module.named_parameters():
+                if id(p) in ours and param_name not in ignored:
                     raise RuntimeError(
                         f"parameter {ours[id(p)].name} belongs to a DistributedDataParallel model: full offload "
                         "consumes each gradient on the host before DDP's all-reduce, so ranks would diverge; "

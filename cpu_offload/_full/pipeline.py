@@ -80,7 +80,7 @@ class Chunk:
     marker: Any = None  # completion of the D2H copies into the slot
     taken: bool = False  # the worker has taken it from the queue
     arrival: Optional[int] = None  # its place among the window's optimizer chunks, in queueing order
-    held: bool = False  # not stepped speculatively (ChunkRunner.decide_in_arrival_order)
+    held: bool = False  # not stepped speculatively (ChunkRunner._held)
 
     def describe(self) -> str:
         names = []
@@ -327,7 +327,7 @@ class Pipeline:
             n = norms[rec.index]
             rec.grad_sq = n * n
         return (any(not math.isfinite(rec.grad_sq) for rec in recs) or self._runner.could_overflow(recs, self._cur)
-                or self._runner.would_clip(recs, self._cur))
+                or self._runner.would_clip(norms, self._cur))
 
     def wait_stepped(self, recs: list) -> None:
         """Wait until each of ``recs`` has its window's step counted, or until the worker has

@@ -155,7 +155,8 @@ class CudaTransfer:
         of delaying it: the float64 reduction of a bf16 gradient also writes and reads a
         float64 copy of it (on an H200 about four times a float32 reduction's time)."""
         self.d2h_copy(dst, local_norm(grad).reshape(1))
-        grad.record_stream(self.d2h_stream)  # NOTE: read on this stream, see d2h_copy
+        if grad.is_cuda:  # NOTE: read on this stream, see d2h_copy; a zero-filled gradient is on the host
+            grad.record_stream(self.d2h_stream)
 
     def d2h_marker(self) -> Any:
         return self.d2h_stream.record_event()

@@ -11,6 +11,8 @@
 import copy
 import gc
 import io
+import math
+import random
 import threading
 import time
 import warnings
@@ -594,3 +596,52 @@ def test_a_model_with_the_forward_waits_pickles_and_its_copies_do_not_wait(monke
         copied.load_state_dict(want)
         x, extra = batches(0, 1)[0]
         assert torch.equal(copied(x.to(torch.bfloat16), use_extra=extra), model(x.to(torch.bfloat16), use_extra=extra))
+
+
+def test_a_window_whose_norm_meets_the_clip_limit_to_the_last_bit_is_predicted_as_the_worker_sums_it(monkeypatch):
+    """step() returns early only where the worker will hold nothing back for a known clip
+    limit. Predicted from a sum of the squared norms in parameter order while the worker sums
+    them in arrival order, a window whose 2-norm is the limit in one order and an ulp above it
+    in the other was left running: the next forward raised ProtocolError, and a zero_grad()
+    in place of step() dropped the window's update without a word."""
+    rng = random.Random(1)
+    while True:  # three gradients whose 2-norm depends on the order of the sum, in its last bit
+        ga, gb, gc = (float(torch.tensor(rng.uniform(0.1, 1.0), dtype=torch.float32)) for _ in range(3))
+        by_param, by_arrival = ga * ga + gb * gb + gc * gc, gc * gc + gb * gb + ga * ga
+        if math.sqrt(by_arrival) > math.sqrt(by_param):
+            break
+    limit = math.sqrt(by_param)
+
+    class Three(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.a, self.b, self.c = (nn.Parameter(torch.zeros(1)) for _ in range(3))
+
+        def forward(self, x):
+            return (self.a * x * ga).sum() + (self.b * x * gb).sum() + (self.c * x * gc).sum()
+
+    for close_with in ("step", "zero_grad"):
+        model = Three()
+        off = FullCPUOffloadOptimizer(torch.optim.AdamW(model.parameters(), lr=1e-3), compute_dtype=torch.float32,
+                                      overlap_forward=model, pinned_bytes=1 << 16, num_slots=4)
+        gate = ChunkGate(monkeypatch)
+        try:
+            model(torch.full((1,), 0.1)).backward()
+            off.clip_grad_norm_(limit)  # does not clip: the limit is known, the next window speculates
+            off.step()
+            off.zero_grad()
+            before = [p.detach().clone() for p in model.parameters()]
+            loss = model(torch.ones(1))
+            gate.close()
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore")  # zero_grad() without step() says the update stays
+                loss.backward()
+                getattr(off, close_with)()
+                off.zero_grad()
+            model(torch.ones(1))  # waits for the window's weights
+            assert all(not torch.equal(a, p.detach()) for a, p in zip(before, model.parameters())), close_with
+            assert [int(off.state[p]["step"]) for p in model.parameters()] == [2, 2, 2]
+        finally:
+            gate.opened.set()
+            off.close()
+            monkeypatch.undo()

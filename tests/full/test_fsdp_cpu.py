@@ -584,7 +584,7 @@ def test_parameters_of_one_fsdp2_group_left_in_two_dtypes_are_refused_at_constru
     model = build(norm_apart=False)
     options = (dict(keep_fp32=list(model[1].parameters())) if how == "the norm kept"
                else dict(keep_fp32=list(model[0].parameters()) + list(model[2].parameters())))
-    with pytest.raises(ValueError, match=r"parameters of one FSDP2 group would be left in two dtypes \(torch.bfloat16 "
+    with pytest.raises(ValueError, match=r"trainable parameters of one FSDP2 group would be left in two dtypes \(torch.bfloat16 "
                                          r"and torch.float32: param_groups\[0\]\[\d\] in torch.bfloat16, "
                                          r"param_groups\[0\]\[\d\] in torch.float32\).*give the parameters kept in "
                                          r"float32 \(keep_fp32\) a fully_shard of their own"):
@@ -597,5 +597,30 @@ def test_parameters_of_one_fsdp2_group_left_in_two_dtypes_are_refused_at_constru
         model(torch.randn(4, 8).bfloat16()).float().sum().backward()
         opt.step()
         assert model[1].weight.dtype == torch.float32 and model[0].weight.dtype == torch.bfloat16
+    finally:
+        opt.close()
+    # FSDP2 asks one dtype of a group's trainable parameters only: a frozen fp32 base in the
+    # group (LoRA's layout) is accepted, and so is another FSDP2 model whose groups mix dtypes
+    class FrozenBase(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.base, self.head = nn.Linear(8, 8), nn.Linear(8, 2)
+            self.base.requires_grad_(False)
+
+        def forward(self, x):
+            return self.head(self.base(x.to(self.base.weight.dtype)).to(self.head.weight.dtype))
+
+    other = FrozenBase()
+    other.requires_grad_(False)
+    other.head.to(torch.bfloat16)
+    mesh = init_device_mesh("cpu", (1,))
+    fully_shard(other, mesh=mesh)
+    model = FrozenBase()
+    fully_shard(model, mesh=mesh)
+    opt = offload_optimizer(torch.optim.AdamW(model.head.parameters()), offload="full")
+    try:
+        model(torch.randn(4, 8)).float().sum().backward()
+        opt.step()
+        assert model.base.weight.dtype == torch.float32 and model.head.weight.dtype == torch.bfloat16
     finally:
         opt.close()

@@ -74,3 +74,10 @@ def test_ddp_built_after_the_wrap_is_refused_at_its_construction(gloo_group):
     finally:
         opt.close()
     nn.parallel.DistributedDataParallel(model)  # closed: the parameters are free again
+    model = nn.Sequential(nn.Linear(8, 8), nn.GELU(), nn.Linear(8, 2))
+    opt = FullCPUOffloadOptimizer(torch.optim.AdamW(model[0].parameters()), **SMALL)
+    try:  # parameters DDP is told to leave alone (rank-local ones) may be full offload's
+        model._ddp_params_and_buffers_to_ignore = ["0.weight", "0.bias"]
+        nn.parallel.DistributedDataParallel(model)
+    finally:
+        opt.close()

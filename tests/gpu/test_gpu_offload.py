@@ -280,3 +280,26 @@ def test_two_gpus_fsdp2_torchrun(tmp_path):
 
 if __name__ == "__main__" and sys.argv[1:2] == ["--worker"]:
     worker(sys.argv[2])
+
+
+def test_a_zero_gradient_that_zero_grad_keeps_is_stepped_on_the_gpu_as_torch():
+    """With zero_grad(set_to_none=False) torch steps a parameter that got no gradient in a
+    window on the zeros it kept; full offload stages such zeros from the host, and the norm
+    tracking (on by default) called record_stream on that host tensor, which raised
+    NotImplementedError at the end of the window's backward."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(16, 16), nn.Linear(16, 16)).cuda()
+    opt = offload_optimizer(torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1), offload="full")
+    try:
+        for s in range(4):
+            before = opt.state[model[1].weight]["master"].clone()
+            y = model[0](torch.randn(8, 16, device="cuda").bfloat16())
+            if s % 2 == 0:  # the second layer only on even steps
+                y = model[1](y)
+            y.float().pow(2).mean().backward()
+            opt.step()
+            opt.zero_grad(set_to_none=False)
+            assert not torch.equal(opt.state[model[1].weight]["master"], before), s  # stepped, also on zeros
+        assert int(opt.state[model[1].weight]["step"]) == 4
+    finally:
+        opt.close()
