@@ -84,6 +84,20 @@ class _Plan:
     h2d_bytes: int
 
 
+def _add_new_norms(total: float, chunk, device_norms: list, seen: set) -> float:
+    """``total`` plus the squared 2-norm of each parameter of ``chunk`` not in ``seen`` (then
+    added to it), in the order of its pieces: a parameter's norm is its whole gradient's.
+
+    NOTE: the one sum of a window's norms. ``ChunkRunner.would_clip`` predicts what the worker
+    (``_read_norms``) holds back only while both add the same terms in the same order."""
+    for p in chunk.pieces:
+        if p.rec.index not in seen:
+            seen.add(p.rec.index)
+            n = device_norms[p.rec.index]
+            total += n * n
+    return total
+
+
 class ChunkRunner:
     """Runs chunks on the worker thread.
 
@@ -332,11 +346,7 @@ class ChunkRunner:
             return False
         total, seen = 0.0, set()
         for chunk in self._arrivals:
-            for p in chunk.pieces:
-                if p.rec.index not in seen:
-                    seen.add(p.rec.index)
-                    n = device_norms[p.rec.index]
-                    total += n * n
+            total = _add_new_norms(total, chunk, device_norms, seen)
         return math.sqrt(total) * pass_.hparams[0]["grad_scale"] > self.clip_limit
 
     def could_overflow(self, recs: list, chunk) -> bool:
@@ -360,11 +370,10 @@ class ChunkRunner:
             else:
                 n = device_norms[p.rec.index]
                 p.rec.grad_sq = n * n
-                if p.rec.index not in self._norm_recs:  # NOTE: the norm is the whole parameter's
-                    self._norm_recs.add(p.rec.index)
-                    self._norm_sq += n * n
             if not math.isfinite(n):
                 self.nonfinite = True
+        if not self.accumulate:
+            self._norm_sq = _add_new_norms(self._norm_sq, chunk, device_norms, self._norm_recs)
 
     def _plan(self, chunk, out_slot: Optional[Slot]) -> _Plan:
         key = (

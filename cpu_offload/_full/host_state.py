@@ -17,13 +17,13 @@ from typing import Iterable, Optional
 import psutil
 import torch
 
-from cpu_offload._common.dtensor import is_dtensor, local_of
+from cpu_offload._common.dtensor import as_dtensor_like, is_dtensor, local_of
 
 __all__ = [
     "ParamRecord", "HostBuffers", "collect_records", "check_fsdp_not_started", "check_fsdp_uniform_dtypes",
     "host_bytes_needed", "available_host_ram", "check_host_ram", "allocate_host_state", "cast_param", "cast_to_compute",
     "restore_dtypes", "note_versions", "check_moved_storage", "take_changed_elements", "adopt_external_weights",
-    "adopt_edits_before_step",
+    "adopt_edits_before_step", "take_masters_written_in_place",
     "write_compute_copies", "show_steps",
 ]
 
@@ -65,6 +65,9 @@ class ParamRecord:
     master_step_ref: Optional[weakref.ref] = field(default=None, repr=False)  # state_dict()'s "master_step"
     shown_step: int = 0  # the count they were last given
     shown_value: float = 0.0  # ``step_tensor``'s value then (float32): another value is the user's edit
+    # The master as handed out (opt.state[p]["master"], state_dict()'s): [the flat master it shows,
+    # the tensor, its local tensor, their version counters when the weight was last written from it]
+    shown_master: Optional[list] = field(default=None, repr=False)
     version: Optional[tuple] = None  # the compute copy's version counters and storage when the library last wrote it
     holds_grad: bool = False  # torch would hold a (zero) .grad for it: got one, not zeroed with set_to_none
     on_device: bool = False  # its state lives on the device and is stepped there (device_state.py)
@@ -163,6 +166,34 @@ class ParamRecord:
         if master_step is not None:
             master_step.fill_(value)
         self.shown_step, self.shown_value = self.step, float(self.step_view)
+
+    def live_master(self) -> torch.Tensor:
+        """The master as handed out: one tensor while the master stays where it is (torch's state
+        tensors are the state), over the master's memory with version counters of its own, so a
+        write into it or into a view of it is seen (``master_written``).
+
+        NOTE: a view of ``master`` would share the counter of the whole host buffer, which the
+        library's own writes move (a rollback, a load: they write through ``master``)."""
+        shown = self.shown_master
+        if shown is None or shown[0] is not self.master:  # NOTE: gpu_state="auto" may move the state once
+            flat = self.master
+            with torch.inference_mode(False):  # NOTE: as live_step's (an inference tensor keeps no version)
+                local = torch.empty(0, dtype=flat.dtype, device=flat.device).set_(
+                    flat.untyped_storage(), flat.storage_offset(), self.shape, flat.view(self.shape).stride())
+                tensor = as_dtensor_like(local, self.param)
+            self.shown_master = shown = [flat, tensor, local, (tensor._version, local._version)]
+        return shown[1]
+
+    def master_written(self) -> bool:
+        """The master handed out was written in place since the weight was last written from it."""
+        shown = self.shown_master
+        return shown is not None and (shown[1]._version, shown[2]._version) != shown[3]
+
+    def note_master(self) -> None:
+        """The weight was written from the master: what was written into the one handed out is taken."""
+        shown = self.shown_master
+        if shown is not None:
+            shown[3] = (shown[1]._version, shown[2]._version)
 
     def set_step(self, count: int) -> None:
         """A count loaded, assigned or written in place becomes the count, shown as it is."""
@@ -585,6 +616,29 @@ def adopt_edits_before_step(records: Iterable[ParamRecord]) -> list[ParamRecord]
     return late
 
 
+def take_masters_written_in_place(records: list[ParamRecord]) -> list[ParamRecord]:
+    """A backward begins: each master written in place since its weight was last written from
+    it (``ParamRecord.master_written``) is taken, the weight <- round(master). Returns those
+    whose weight was not round(master) already: the forward that ran read another weight.
+
+    NOTE: a master and its weight loaded in place together (torch DCP's load into a model's
+    and an optimizer's state dicts) agree, and read as no such case. A weight tied to another
+    one, cast, reshaped or made non-contiguous since the library wrote it raises first, as it
+    would without the write (writing it would note it as the library's)."""
+    written = [rec for rec in records if rec.master_written()]
+    if written:
+        check_moved_storage(records)
+    stale = []
+    for rec in written:
+        _external_change(rec)  # NOTE: for its checks only
+        current = rec.local().detach().reshape(-1).to(rec.master.device)
+        if _changed_elements(rec, current).any():
+            stale.append(rec)
+        rec.note_master()
+    write_compute_copies(stale)
+    return stale
+
+
 def write_compute_copies(records: Iterable[ParamRecord]) -> None:
     """Each record's compute copy <- round(master), rounded where the master lives; note the versions."""
     records = list(records)
@@ -592,6 +646,7 @@ def write_compute_copies(records: Iterable[ParamRecord]) -> None:
         for rec in records:
             local = rec.local()
             local.detach().view(-1).copy_(rec.master.to(local.dtype))
+            rec.note_master()
     note_versions(records)
 
 

@@ -44,7 +44,8 @@ from cpu_offload._common.checks import position_of
 from cpu_offload._full.host_state import (
     adopt_edits_before_step, adopt_external_weights, allocate_host_state, allocate_retained, available_host_ram,
     cast_to_compute, check_fsdp_not_started, check_fsdp_uniform_dtypes, check_host_ram, check_moved_storage,
-    collect_records, host_bytes_needed, note_versions, restore_dtypes, show_steps, write_compute_copies,
+    collect_records, host_bytes_needed, note_versions, restore_dtypes, show_steps, take_masters_written_in_place,
+    write_compute_copies,
 )
 from cpu_offload._common.dtensor import local_of
 from cpu_offload._full.dtype_hint import add_note, watch_first_forward
@@ -605,6 +606,22 @@ class FullCPUOffloadOptimizer(WindowControls, torch.optim.Optimizer):
                 "in the order they were registered): register it before wrapping", RuntimeWarning,
                 stacklevel=_user_stacklevel())
 
+    def _stale_weights(self, records) -> None:
+        """Masters written in place (``opt.state[p]["master"].copy_(t)``) whose weights the forward
+        before this backward read as they were, now taken: raise, or under FSDP2 or over several
+        ranks warn (FSDP2 does not train on after a backward that raised, and each rank decides
+        from its own shards: a raise on some ranks would leave the others in a collective)."""
+        said = (f"cpu_offload: the masters of {[r.name for r in records][:8]} (opt.state[p]['master']) were written "
+                "in place since their weights were last written from them; with offload='full' the weight on the device "
+                "is round(master), written when a master is assigned, so the forward before this backward read other "
+                "weights (the old ones). The written masters are taken: the weights are now round(master). Write a "
+                "master by assignment (opt.state[p]['master'] = t) or load_state_dict()")
+        if self._multi_rank or any(r.is_dtensor for r in records):
+            warnings.warn(f"{said}. This window's gradients, of the weights the forward read, update the written "
+                          "masters", RuntimeWarning, stacklevel=_user_stacklevel())
+            return
+        raise RuntimeError(f"{said}. This backward was stopped")
+
     def _begin_backward(self) -> None:
         self._land()
         new_window = self._proto.phase is Phase.IDLE
@@ -617,6 +634,9 @@ class FullCPUOffloadOptimizer(WindowControls, torch.optim.Optimizer):
                        lambda: None if (w := ref()) is None else w._backward_died(gen))
         self._proto.move(Phase.BACKWARD)
         self._rearm_hooks([rec for rec in self._records if rec.param._cdata != rec.hooked_tensor])
+        stale = take_masters_written_in_place(self._records)
+        if stale:
+            self._stale_weights(stale)
         if new_window or self._proto.final:
             # NOTE: also before the window's last pass, whose chunks read each group's
             # hyper-parameters by its index: groups changed between two passes would step them

@@ -37,6 +37,9 @@
 # per parameter, as torch's (made at the first read: ParamRecord.live_step), shared with
 # ``state_dict()``'s entry; written in place, it is taken as an assignment when the count is
 # next used (``step_edits``: the optimizer takes them where it takes weights edited in place).
+# The master is one live tensor per parameter too (ParamRecord.live_master), with a version counter
+# of its own: a write into it is seen when the next backward begins (the optimizer raises then,
+# or warns under FSDP2).
 #
 # Non-goals: the checkpoint format and its validation (checkpoint.py).
 
@@ -170,18 +173,18 @@ def host_keys(rec: ParamRecord) -> tuple:
 def saved_entry(rec: ParamRecord) -> SavedEntry:
     """A ``state_dict()`` entry, all live: the step count (``opt.state[p]["step"]``'s tensor, as
     torch's entry is its state), the master's count (its own tensor: checkpoint.py says why
-    there are two) and views of the host buffers."""
+    there are two), the master (``opt.state[p]["master"]``'s tensor) and views of the moments."""
     out = {"step": rec.live_step()}
     for key in host_keys(rec):
-        out[key] = as_dtensor_like(getattr(rec, key).view(rec.shape), rec.param)
+        out[key] = rec.live_master() if key == "master" else as_dtensor_like(getattr(rec, key).view(rec.shape), rec.param)
     out[MASTER_STEP] = rec.live_master_step()
     return SavedEntry(out)
 
 
 class StateEntry:
     """Live view of one parameter's host state: ``step`` (one live 0-d float32 tensor, as
-    torch's; an in-place edit counts as an assignment), ``master``, ``exp_avg``,
-    ``exp_avg_sq`` (views of the host buffers).
+    torch's; an in-place edit counts as an assignment), ``master`` (one live tensor over the
+    host buffer: ParamRecord.live_master), ``exp_avg``, ``exp_avg_sq`` (views of the host buffers).
 
     ``entry[key] = value`` copies ``value`` into the host state (any device or
     float dtype; the moments are rounded to their stored dtype); ``"master"``
@@ -209,6 +212,8 @@ class StateEntry:
             step = rec.live_step()
             rec.show_step()  # NOTE: a count changed where no step ended (a backward that raised)
             return step
+        if key == "master":
+            return rec.live_master()
         flat = getattr(rec, key)
         cached = self._views.get(key)
         if cached is None or cached[0] is not flat:  # NOTE: gpu_state="auto" may move the state once

@@ -553,14 +553,6 @@ def test_fsdp2_gradient_sync_off_but_on_the_last_micro_batch_steps_the_window_ex
         assert result["steps"] == [STEPS] * 6 and all(result["moved"]), (rank, result)
 
 
-WORKERS = {"--worker": worker, "--clip-worker": clip_worker, "--window-worker": window_worker,
-           "--overlap-worker": overlap_worker, "--single-rank-clip-worker": single_rank_clip_worker,
-           "--no-sync-worker": no_sync_worker}
-
-if __name__ == "__main__" and sys.argv[1:2] and sys.argv[1] in WORKERS:
-    rank_main(lambda: WORKERS[sys.argv[1]](sys.argv[2]))
-
-
 @pytest.mark.parametrize("how", ["the norm kept", "the linears kept"])
 def test_parameters_of_one_fsdp2_group_left_in_two_dtypes_are_refused_at_construction(gloo_group, how):
     """keep_fp32 for a LayerNorm inside a block's fully_shard (the usual layout) was accepted,
@@ -624,3 +616,86 @@ def test_parameters_of_one_fsdp2_group_left_in_two_dtypes_are_refused_at_constru
         assert model.base.weight.dtype == torch.float32 and model.head.weight.dtype == torch.bfloat16
     finally:
         opt.close()
+
+
+def _write_a_master_in_place(opt, model, through):
+    """Halve model[2].weight's master in place, through the DTensor or its local shard, as the
+    ranks' one DTensor op; returns the master's local shard as written."""
+    master = opt.state_dict()["state"][1]["master"]
+    with torch.no_grad():
+        (master if through == "the DTensor" else master.to_local()).mul_(0.5)
+    return master.to_local().clone()
+
+
+def stale_master_worker(out_dir):
+    """Two ranks clamp one master in place (the same DTensor op on each) below the larger of
+    their shards' maxima, which changes one rank's shard only, then train on: that rank warns,
+    and both take what they hold (a raise on one rank left the other in FSDP2's reduce-scatter)."""
+    import warnings
+
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+
+    dist.init_process_group("gloo")
+    model, opt = _sharded_after_one_step(init_device_mesh("cpu", (dist.get_world_size(),)))
+    master = opt.state_dict()["state"][1]["master"]
+    maxima = [torch.zeros(()) for _ in range(dist.get_world_size())]
+    dist.all_gather(maxima, master.to_local().max().reshape(()))
+    with torch.no_grad():
+        master.clamp_(max=float(min(maxima)))
+    written = master.to_local().clone()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        model(batch(1, 0)).float().pow(2).mean().backward()
+    taken = torch.equal(model[2].weight.to_local(), written.to(torch.bfloat16))
+    model(batch(1, 1)).float().pow(2).mean().backward()
+    opt.step()
+    opt.zero_grad()
+    train(model, opt, range(2, 3))
+    torch.save({"warned": any("written in place" in str(w.message) for w in caught), "taken": taken},
+               os.path.join(out_dir, f"stale{dist.get_rank()}.pt"))
+    opt.close()
+    dist.destroy_process_group()
+
+
+@pytest.mark.parametrize("through", ["the DTensor", "its local shard"])
+def test_a_master_written_in_place_under_fsdp2_is_taken_at_the_next_backward_with_a_warning(gloo_group, through):
+    """Under FSDP2 the masters handed out are DTensors over the host shards: a write into one
+    (or into its local shard) is seen at the next backward, which takes it into the weight's
+    shard and warns (FSDP2 does not train on after a backward that raised); training goes on."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    model, opt = _sharded_after_one_step(init_device_mesh("cpu", (1,)))
+    try:
+        w = model[2].weight
+        with torch.inference_mode():  # NOTE: first handed out there (an evaluation's checkpoint), as torch allows
+            opt.state_dict()
+        written = _write_a_master_in_place(opt, model, through)
+        assert not torch.equal(w.to_local(), written.to(w.dtype))
+        with pytest.warns(RuntimeWarning, match=r"masters of \['param_groups\[0\]\[1\]'\].*written in place.*"
+                                                r"This window's gradients"):
+            model(batch(1, 0)).float().pow(2).mean().backward()
+        assert torch.equal(opt.state[w]["master"].to_local(), written)
+        assert torch.equal(w.to_local(), written.to(w.dtype))
+        model(batch(1, 1)).float().pow(2).mean().backward()
+        opt.step()
+        assert all(isinstance(p, torch.distributed.tensor.DTensor) for p in model.parameters())
+    finally:
+        opt.close()
+
+
+def test_a_master_written_in_place_on_some_ranks_only_warns_there_without_a_hang(tmp_path):
+    """One DTensor op that changes the shards of some ranks only: each rank takes what it holds
+    and the one whose weight was stale warns; none raises (which left the other in a collective)."""
+    run_ranks(__file__, ["--stale-master-worker", str(tmp_path)], 2, timeout_s=120)
+    results = [torch.load(tmp_path / f"stale{rank}.pt") for rank in range(2)]
+    assert all(r["taken"] for r in results)
+    assert sorted(r["warned"] for r in results) == [False, True]
+
+
+WORKERS = {"--worker": worker, "--clip-worker": clip_worker, "--window-worker": window_worker,
+           "--overlap-worker": overlap_worker, "--single-rank-clip-worker": single_rank_clip_worker,
+           "--no-sync-worker": no_sync_worker, "--stale-master-worker": stale_master_worker}
+
+if __name__ == "__main__" and sys.argv[1:2] and sys.argv[1] in WORKERS:
+    rank_main(lambda: WORKERS[sys.argv[1]](sys.argv[2]))

@@ -13,7 +13,8 @@ import torch.nn as nn
 import cpu_offload
 from cpu_offload._full.optimizer import FullCPUOffloadOptimizer
 from cpu_offload.reference import adamw_reference_
-from helpers import HALF_STATE, SMALL, assert_same_state, batches, build, named, snapshot, through_torch_save, train_step
+from helpers import (HALF_STATE, SMALL, assert_same_state, batches, build, clone_tree, named, snapshot, through_torch_save,
+                     train_step)
 
 
 def _full(params, **options):
@@ -420,6 +421,11 @@ def test_a_bad_step_count_edited_in_place_raises_naming_the_entry_and_changes_no
 
 
 
+def _wrapped(gpu_state):
+    model, opt = build("adamw")
+    return model, FullCPUOffloadOptimizer(opt, gpu_state=gpu_state, **SMALL)
+
+
 @pytest.mark.parametrize("gpu_state", [None, HALF_STATE], ids=["host", "split"])
 def test_an_uncloned_state_dict_is_the_live_state_as_torchs(gpu_state):
     """state_dict() gave live views of the masters and moments but new tensors of the step
@@ -427,10 +433,6 @@ def test_an_uncloned_state_dict_is_the_live_state_as_torchs(gpu_state):
     paired step-5 moments with count 2 without a word (the count went back to 2; the resume
     differed by 8.8e-4). Every entry is live now, as torch's: the reload changes nothing, a
     fresh wrapper resumes bit for bit, and the dict saved after step 5 holds step 5 whole."""
-    def wrapped():
-        model, opt = build("adamw")
-        return model, FullCPUOffloadOptimizer(opt, gpu_state=gpu_state, **SMALL)
-
     def train(model, off, steps):
         for s in steps:
             ((x, extra),) = batches(s, 1)
@@ -444,10 +446,10 @@ def test_an_uncloned_state_dict_is_the_live_state_as_torchs(gpu_state):
 
     runs = []
     try:
-        model_a, a = wrapped()
+        model_a, a = _wrapped(gpu_state)
         runs.append(a)
         train(model_a, a, range(7))  # not interrupted
-        model, off = wrapped()
+        model, off = _wrapped(gpu_state)
         runs.append(off)
         train(model, off, range(2))
         sd = off.state_dict()
@@ -464,7 +466,7 @@ def test_an_uncloned_state_dict_is_the_live_state_as_torchs(gpu_state):
         assert_same_state(before, state_of(model, off))
         resumed = [(model, off)]
         for source in (sd, saved):  # NOTE: sd is off's live state: loaded before off trains on
-            model_c, c = wrapped()
+            model_c, c = _wrapped(gpu_state)
             runs.append(c)
             with warnings.catch_warnings():
                 warnings.simplefilter("error")
@@ -548,3 +550,130 @@ def test_step_counts_first_handed_out_in_inference_mode_train_on_as_torch(first_
             off.close()
     assert results[0][1] == results[1][1] == 3
     assert_same_state(results[0][0], results[1][0])
+
+
+def _edit(master):
+    """The edit a test writes into a master: new values for every element."""
+    return master * 0.5 + 0.01
+
+
+_WRITES = {
+    "copy_ into opt.state": lambda opt, w, rec: opt.state[w]["master"].copy_(_edit(rec.master.view(rec.shape))),
+    "mul_ and add_ of state_dict()'s": lambda opt, w, rec: opt.state_dict()["state"][rec.index]["master"].mul_(0.5)
+    .add_(0.01),
+    "into a view of it": lambda opt, w, rec: opt.state[w]["master"].view(-1)[:].copy_(_edit(rec.master)),
+}
+
+
+@pytest.mark.filterwarnings("ignore:cpu_offload. backward pass")
+@pytest.mark.parametrize("write", list(_WRITES))
+@pytest.mark.parametrize("k, edit_at", [(1, 0), (2, 0), (2, 1)], ids=["k=1", "k=2, pass 0", "k=2, pass 1"])
+def test_a_master_written_in_place_is_taken_and_the_backward_after_it_raises(k, edit_at, write):
+    """A master written in place (``opt.state[p]["master"].copy_(t)``) was not seen by the weight:
+    the forward and backward after it read the old weight without a word, and the step updated the
+    written master with that weight's gradient. The backward after it now raises naming the
+    parameter, having taken the master (the weight is round(master)); the window run again equals
+    the run that assigned the master, bit for bit."""
+    runs = {}
+    for how in ("assigned", "in place"):
+        model = _net()
+        opt = _full(model.parameters(), grad_accum_steps=k, compute_dtype=torch.float32)
+        w = model[0].weight
+        rec = next(r for r in opt._records if r.param is w)
+        try:
+            for s in range(3):
+                if s == 1 and how == "assigned":
+                    opt.state[w]["master"] = _edit(rec.master.view(rec.shape))
+                for m in range(k):
+                    if (s, m) == (1, edit_at) and how == "in place":
+                        with torch.no_grad():
+                            _WRITES[write](opt, w, rec)
+                        assert not torch.equal(w.detach(), rec.master.view(rec.shape))  # the weight is stale
+                        with pytest.raises(RuntimeError, match=r"masters of \['param_groups\[0\]\[0\]'\] "
+                                                               r"\(opt.state\[p\]\['master'\]\) were written in place"):
+                            model(_x(s, m)).pow(2).mean().backward()
+                        assert torch.equal(w.detach(), rec.master.view(rec.shape))  # taken: round(master)
+                        opt.zero_grad()  # the window is run again from its first pass
+                        for m2 in range(k):
+                            model(_x(s, m2)).pow(2).mean().backward()
+                        break
+                    model(_x(s, m)).pow(2).mean().backward()
+                opt.step()
+                opt.zero_grad()
+            runs[how] = snapshot(opt), [p.detach().clone() for p in model.parameters()]
+        finally:
+            opt.close()
+    assert_same_state(runs["assigned"][0], runs["in place"][0])
+    assert all(torch.equal(a, b) for a, b in zip(runs["assigned"][1], runs["in place"][1]))
+
+
+@pytest.mark.parametrize("gpu_state", [None, HALF_STATE], ids=["host", "split"])
+def test_masters_held_over_rollbacks_and_loads_or_loaded_in_place_with_their_weights_raise_nothing(gpu_state):
+    """The library's own writes of the masters (a clipped step's redo, a non-finite gradient's
+    rollback, a load) and a master written in place together with its weight (torch DCP's
+    in-place load of a model's and an optimizer's state dicts) are no stale weights: held
+    opt.state and state_dict() masters train on as without them, with no error."""
+    def train(model, off, steps):
+        for s in steps:
+            ((x, extra),) = batches(s, 1)
+            loss = model(x.to(torch.bfloat16), use_extra=extra).float().pow(2).mean()
+            (loss * (float("nan") if s == 3 else 1.0)).backward()  # a rollback at step 3
+            off.clip_grad_norm_(1e-3)  # a redo at every step
+            off.step()
+            off.zero_grad()
+
+    runs = []
+    try:
+        (model_a, a), (model_b, b) = _wrapped(gpu_state), _wrapped(gpu_state)
+        runs += [a, b]
+        held = [b.state_dict()] + [b.state[p]["master"] for p in model_b.parameters() if p.requires_grad]
+        for model, off in ((model_a, a), (model_b, b)):
+            train(model, off, range(5))
+            off.load_state_dict(through_torch_save(off.state_dict()))
+            train(model, off, range(5, 6))
+        assert_same_state(snapshot(a), snapshot(b))
+        saved, weights = through_torch_save(a.state_dict()), clone_tree(model_a.state_dict())
+        train(model_a, a, range(6, 8))
+        with torch.no_grad():  # as DCP's load in place: the weights and the masters, no load_state_dict()
+            for name, p in model_a.named_parameters():
+                p.copy_(weights[name])
+            for index, entry in a.state_dict()["state"].items():
+                for key in ("master", "exp_avg", "exp_avg_sq"):
+                    entry[key].copy_(saved["state"][index][key])
+                entry["step"].copy_(saved["state"][index]["step"])
+        train(model_a, a, range(6, 8))
+        train(model_b, b, range(6, 8))
+        assert_same_state(snapshot(a), snapshot(b))
+        del held
+    finally:
+        for o in runs:
+            o.close()
+
+
+@pytest.mark.parametrize("change", ["cast to fp32", "tied to another weight"])
+def test_a_weight_changed_so_that_it_is_refused_is_refused_when_its_master_was_also_written(change):
+    """The check for masters written in place runs first in a backward, and writing the weight
+    from the master noted the weight's new dtype and storage as the library's: a weight cast
+    after wrapping (``model.float()``), or tied to another one, was then trained on without
+    the refusals it gets alone. They raise as without the master's write."""
+    model = _net()
+    opt = _full(model.parameters())
+    a, b = model[0].weight, model[2].weight
+    try:
+        model(_x(0, 0).to(torch.bfloat16)).float().pow(2).mean().backward()
+        opt.step()
+        opt.zero_grad()
+        if change == "cast to fp32":
+            model.float()
+            error, match = TypeError, r"compute copy of param_groups\[0\]\[0\] is now torch.float32"
+        else:
+            b.data = a.data.view(-1)[: b.numel()].view_as(b)
+            error, match = ValueError, r"share memory"
+        with torch.no_grad():
+            opt.state[a]["master"].mul_(0.5)
+        for _ in range(2):  # and again: the refusal stays
+            with pytest.raises(error, match=match):
+                model(_x(0, 1).to(a.dtype)).float().pow(2).mean().backward()
+            opt.zero_grad()
+    finally:
+        opt.close()

@@ -113,3 +113,43 @@ def test_auto_moves_what_the_peak_leaves_free_and_stays_within_it():
     assert max(peaks[AUTO_WINDOWS:]) <= before + state + (1 << 29)
     assert max(peaks) <= total - auto_margin(total)
     opt.close()
+
+
+@pytest.mark.filterwarnings("ignore:cpu_offload. backward pass")
+def test_masters_written_in_place_on_either_device_are_taken_and_the_next_backward_raises():
+    """A master handed out (``opt.state[p]["master"]``) lives in host RAM or on the GPU: written
+    in place on either, the backward after it raises and the weight becomes round(master); the
+    window run again equals the run that assigned the masters, bit for bit."""
+    results = {}
+    for how in ("assigned", "in place"):
+        torch.manual_seed(0)
+        model = LM().cuda()
+        opt = offload_optimizer(make_opt(model), offload="full", gpu_state=half_budget(1, torch.float32),
+                                pinned_bytes=1 << 21)
+        recs = records_of(opt)
+        edited = [next(r for r in recs if r.on_device), next(r for r in recs if not r.on_device)]
+        for s in range(4):
+            if s == 2:
+                for r in edited:
+                    new = r.master.view(r.shape) * 0.5
+                    if how == "assigned":
+                        opt.state[r.param]["master"] = new
+                    else:
+                        with torch.no_grad():
+                            opt.state[r.param]["master"].copy_(new)
+                if how == "in place":
+                    assert not any(torch.equal(r.local().detach().reshape(-1).cpu(), r.master.to(torch.bfloat16).cpu())
+                                   for r in edited)
+                    with pytest.raises(RuntimeError, match=r"\(opt.state\[p\]\['master'\]\) were written in place"):
+                        loss_fn(model, tokens(s)).backward()
+                    assert all(torch.equal(r.local().detach().reshape(-1).cpu(), r.master.to(torch.bfloat16).cpu())
+                               for r in edited)
+                    opt.zero_grad()
+            loss_fn(model, tokens(s)).backward()
+            opt.step()
+            opt.zero_grad()
+        torch.cuda.synchronize()
+        results[how] = [(r.master.cpu(), r.exp_avg.cpu(), r.local().detach().cpu()) for r in recs]
+        opt.close()
+    for a, b in zip(results["assigned"], results["in place"]):
+        assert all(torch.equal(x, y) for x, y in zip(a, b))
