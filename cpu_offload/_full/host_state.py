@@ -181,19 +181,20 @@ class ParamRecord:
                 local = torch.empty(0, dtype=flat.dtype, device=flat.device).set_(
                     flat.untyped_storage(), flat.storage_offset(), self.shape, flat.view(self.shape).stride())
                 tensor = as_dtensor_like(local, self.param)
-            self.shown_master = shown = [flat, tensor, local, (tensor._version, local._version)]
+            self.shown_master = shown = [flat, tensor, local, None]
+            shown[3] = _versions(shown)
         return shown[1]
 
     def master_written(self) -> bool:
         """The master handed out was written in place since the weight was last written from it."""
         shown = self.shown_master
-        return shown is not None and (shown[1]._version, shown[2]._version) != shown[3]
+        return shown is not None and _versions(shown) != shown[3]
 
     def note_master(self) -> None:
         """The weight was written from the master: what was written into the one handed out is taken."""
         shown = self.shown_master
         if shown is not None:
-            shown[3] = (shown[1]._version, shown[2]._version)
+            shown[3] = _versions(shown)
 
     def set_step(self, count: int) -> None:
         """A count loaded, assigned or written in place becomes the count, shown as it is."""
@@ -206,6 +207,11 @@ class ParamRecord:
         self.arrived = -1
         self.pieces_total = self.pieces_done = 0
         self.grad_sq = 0.0
+
+
+def _versions(shown_master: list) -> tuple:
+    """The version counters of the master handed out: the tensor's and its local shard's."""
+    return shown_master[1]._version, shown_master[2]._version
 
 
 def collect_records(optimizer: torch.optim.Optimizer) -> tuple[list[ParamRecord], list[torch.nn.Parameter]]:
