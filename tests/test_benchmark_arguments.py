@@ -16,6 +16,9 @@ BAD = {
                       ["--json", "/proc/h.json"]],
     "device_step.py": [["--numel", "0"], ["--repeats", "0"], ["--json", "/nonexistent-dir/d.json"],
                        ["--json", "/proc/d.json"]],
+    "host_stream.py": [["--numel", "0"], ["--numel", "nan"], ["--numel", "1000"], ["--numel", "1e15"],
+                       ["--repeats", "0"], ["--shares", "x"], ["--shares", "0,1.5"], ["--shares", "0.5"],
+                       ["--shares", "0,-0.1"], ["--json", "/nonexistent-dir/s.json"], ["--json", "/proc/s.json"]],
 }
 
 
@@ -42,9 +45,11 @@ def test_a_json_path_that_is_a_directory_stops_before_any_run(script, tmp_path, 
     assert f"--json {tmp_path}: is a directory" in err
 
 
-def test_the_device_step_benchmark_without_cuda_says_so(capsys, monkeypatch):
-    bench = load_benchmark("device_step.py", "device_step_arguments")
+@pytest.mark.parametrize("script,argv", [("device_step.py", ["--numel", "1024"]),
+                                         ("host_stream.py", ["--numel", str(1 << 25)])])
+def test_a_benchmark_of_the_device_without_cuda_says_so(script, argv, capsys, monkeypatch):
+    bench = load_benchmark(script, script.removesuffix(".py") + "_arguments")
     monkeypatch.setattr(bench.torch.cuda, "is_available", lambda: False)
     with pytest.raises(SystemExit) as exit_:
-        bench.main(["--numel", "1024"])
+        bench.main(argv)
     assert exit_.value.code == 2 and "needs a CUDA device" in capsys.readouterr().err

@@ -2,15 +2,17 @@
 # skipped without CUDA): on fresh random data over a wide exponent range, subnormals
 # included, at sizes around its block, with fp32 and bf16 moments and gradients, it equals
 # the readable reference on the CPU bit for bit (master, moments, compute copy); the device
-# step uses it.
+# step uses it, and so does benchmarks/host_stream.py's streamed share.
 # Run: pytest -m gpu tests/gpu/test_device_kernel.py
+import json
+
 import pytest
 import torch
 
 from cpu_offload import offload_optimizer
 from cpu_offload._full import device_kernel, device_state
 from cpu_offload.reference import adamw_reference_
-from helpers import LM, assert_same_state, loss_fn, make_opt, records_of, tokens
+from helpers import LM, assert_same_state, load_benchmark, loss_fn, make_opt, records_of, tokens
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
 
@@ -117,3 +119,18 @@ def test_a_triton_kernel_that_cannot_compile_leaves_the_torch_operations_with_on
         device_state._fused_step_usable.cache_clear()
     assert sum("fused AdamW" in str(w.message) for w in caught) == 1
     assert_same_state(fused, passes)
+
+
+@pytest.mark.parametrize("moments", ["bf16", "fp32"])
+def test_the_host_stream_benchmark_steps_its_streamed_share_as_the_cpu_kernel(moments, capsys, tmp_path):
+    """benchmarks/host_stream.py: the state streamed through GPU slots (every slot, one again)
+    comes back bit for bit as the native CPU kernel leaves it; a whole run's rows add up."""
+    bench = load_benchmark("host_stream.py", "host_stream_gpu")
+    bench.check_same_bits(torch.bfloat16 if moments == "bf16" else torch.float32)
+    out = tmp_path / "s.json"
+    assert bench.main(["--numel", str(2 * bench.CHUNK), "--shares", "0,0.5,1", "--repeats", "1",
+                       "--moments", moments, "--json", str(out)]) == 0
+    rows = json.loads(out.read_text())["rows"]
+    assert [(r["share"], r["part"]) for r in rows] == [(0.0, "cpu"), (0.5, "cpu"), (0.5, "streamed"), (0.5, "both"),
+                                                       (1.0, "streamed")]
+    assert all(r["s"] > 0 and r["host_gb_s"] > 0 for r in rows)
