@@ -136,7 +136,7 @@ def check_same_bits(moments: torch.dtype) -> None:
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description="The all-host step with a share of the host state stepped on the GPU.")
-    ap.add_argument("--numel", type=float, default=1 << 28, help=f"elements, a multiple of {CHUNK} at least")
+    ap.add_argument("--numel", type=float, default=1 << 28, help=f"elements, at least {CHUNK}")
     ap.add_argument("--shares", default="0,0.25,0.4,0.5,0.6,0.75,1")
     ap.add_argument("--moments", choices=("bf16", "fp32"), default="bf16")
     ap.add_argument("--repeats", type=int, default=7)
