@@ -36,6 +36,7 @@ from cli_checks import check_at_least, check_output_paths, whole_count  # noqa: 
 from cpu_offload import kernels  # noqa: E402
 from cpu_offload._full.binding import bind_for  # noqa: E402
 from cpu_offload._full.device_kernel import fused_adamw_  # noqa: E402
+from cpu_offload._full.device_state import same_bits  # noqa: E402
 from cpu_offload.bench import measure_bandwidth, probe_numel  # noqa: E402
 
 HP = dict(lr=3e-4, beta1=0.9, beta2=0.95, eps=1e-8, weight_decay=0.1, grad_scale=1.0)
@@ -129,8 +130,7 @@ def check_same_bits(moments: torch.dtype) -> None:
     work.run(n, cpu=False, streamed=True)
     gpu = (work.p, work.m, work.v, work.w.cpu())
     for name, a, b in zip(("master", "exp_avg", "exp_avg_sq", "compute copy"), cpu, gpu):
-        if not torch.equal(a.view(torch.int16 if a.itemsize == 2 else torch.int32),
-                           b.view(torch.int16 if b.itemsize == 2 else torch.int32)):
+        if not same_bits(a, b):
             raise AssertionError(f"the streamed step's {name} differs from the CPU kernel's")
 
 

@@ -38,7 +38,7 @@ from cpu_offload._full.device_kernel import BLOCK, fused_adamw_, fused_adamw_ava
 from cpu_offload._full.grad_norms import local_norm
 
 __all__ = ["DeviceState", "AutoSplit", "choose_device_records", "device_bytes_per_element", "memory_reading",
-           "free_memory", "auto_margin", "host_margin", "records_to_free_host", "check_fused_step"]
+           "free_memory", "auto_margin", "host_margin", "records_to_free_host", "check_fused_step", "same_bits"]
 
 # Elements stepped per pass: bounds the temporaries (about 20 B per element: the fp32
 # gradient, an fp32 product, the float64 square root; 1.3 GiB) whatever the parameter's size.
@@ -171,6 +171,15 @@ def adamw_piece_(p, grad, m, v, step: int, *, lr, beta1, beta2, eps, weight_deca
         out.copy_(p)
 
 
+def same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Whether two float32 or bf16 tensors hold the same bit patterns (NaN payloads and
+    signed zeros included)."""
+    if a.dtype != b.dtype:
+        return False
+    bits = torch.int32 if a.dtype == torch.float32 else torch.int16
+    return torch.equal(a.view(bits), b.view(bits))
+
+
 def check_fused_step(device: torch.device, fused: Optional[Callable] = None) -> Optional[str]:
     """Why the fused step (``fused``: device_kernel.fused_adamw_) cannot stand in for
     adamw_piece_ on ``device``, or None when it can: it must run, and give the same bits as
@@ -203,8 +212,7 @@ def check_fused_step(device: torch.device, fused: Optional[Callable] = None) -> 
         except Exception as e:  # NOTE: compilation and launch errors alike
             return f"{type(e).__name__}: {e}"
         for name, i in (("master", 0), ("exp_avg", 2), ("exp_avg_sq", 3), ("compute copy", 4)):
-            bits = torch.int32 if want[i].dtype == torch.float32 else torch.int16
-            if not torch.equal(want[i].view(bits), got[i].view(bits)):
+            if not same_bits(want[i], got[i]):
                 return f"its {name} differs from the reference's operations with {dtype} moments"
     return None
 

@@ -122,7 +122,7 @@ def test_a_triton_kernel_that_cannot_compile_leaves_the_torch_operations_with_on
 
 
 @pytest.mark.parametrize("moments", ["bf16", "fp32"])
-def test_the_host_stream_benchmark_steps_its_streamed_share_as_the_cpu_kernel(moments, capsys, tmp_path):
+def test_the_host_stream_benchmark_steps_its_streamed_share_as_the_cpu_kernel(moments, tmp_path):
     """benchmarks/host_stream.py: the state streamed through GPU slots (every slot, one again)
     comes back bit for bit as the native CPU kernel leaves it; a whole run's rows add up."""
     bench = load_benchmark("host_stream.py", "host_stream_gpu")
