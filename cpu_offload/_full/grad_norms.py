@@ -22,7 +22,7 @@ import math
 import torch
 import torch.distributed as dist
 
-__all__ = ["check_norm_type", "local_norm", "total_norm", "clip_coefficient"]
+__all__ = ["check_norm_type", "local_norm", "shard_groups", "total_norm", "clip_coefficient"]
 
 
 def check_norm_type(norm_type) -> float:
@@ -46,7 +46,7 @@ def local_norm(grad: torch.Tensor, norm_type: float = 2.0) -> torch.Tensor:
     return torch.linalg.vector_norm(grad, norm_type, dtype=torch.float64)
 
 
-def _shard_groups(rec) -> tuple:
+def shard_groups(rec) -> tuple:
     """The groups of more than one rank that ``rec``'s gradient is sharded over. NOTE: a group
     of one rank has nothing to reduce, and on one GPU its first NCCL collective would set up
     the communicator at the end of backward, where the device is fullest (at 21B it failed to
@@ -64,7 +64,7 @@ def total_norm(local_norms, norm_type: float) -> float:
     inf = math.isinf(norm_type)
     buckets: dict = {}  # ids of the groups -> [groups, device, sum of n^p (or max n), NaN count]
     for rec, n in local_norms:
-        groups = _shard_groups(rec)
+        groups = shard_groups(rec)
         bucket = buckets.setdefault(tuple(id(g) for g in groups), [groups, rec.local().device, 0.0, 0.0])
         if math.isnan(n):
             bucket[3] += 1.0

@@ -56,6 +56,7 @@ from cpu_offload._full.options import (
 )
 from cpu_offload._full.binding import bind_for
 from cpu_offload._full.pipeline import Pipeline
+from cpu_offload._full.rank_agreement import check_ranks_agree, settings_of
 from cpu_offload._full.protocol import Phase, ProtocolError, ProtocolState
 from cpu_offload._full.state_mapping import StateMapping, for_device_placement, step_edits, take_step_edits
 from cpu_offload._full.validation import StepValidator
@@ -315,7 +316,7 @@ class FullCPUOffloadOptimizer(WindowControls, torch.optim.Optimizer):
                       sysfs_root=sysfs_root)
         max_grad_norm = check_clipping_options(max_grad_norm=max_grad_norm, skip_nonfinite=skip_nonfinite,
                                                grad_copy=grad_copy)
-        read_hparams(optimizer.param_groups, self._algorithm, bf16_moments=self._bf16_moments)
+        hparams = read_hparams(optimizer.param_groups, self._algorithm, bf16_moments=self._bf16_moments)
         # NOTE: the state of an optimizer that has stepped (or loaded a checkpoint) carries over,
         # as a load of its state_dict would; read now, before the weights are cast
         carried = optimizer.state_dict() if any(optimizer.state.values()) else None
@@ -332,6 +333,9 @@ class FullCPUOffloadOptimizer(WindowControls, torch.optim.Optimizer):
         ownership.check_not_ddp(records)
         check_fsdp_not_started(records)
         check_fsdp_uniform_dtypes(records, compute_dtype=compute_dtype, keep_fp32=keep)
+        options = dict(algorithm=self._algorithm, grad_accum_steps=grad_accum_steps, compute_dtype=str(compute_dtype),
+                       state_dtype=str(state_dtype), max_grad_norm=max_grad_norm, skip_nonfinite=bool(skip_nonfinite))
+        check_ranks_agree(records, settings_of(records, hparams, options=options, keep_fp32=keep))
         device = records[0].local().device
         moments = self._algorithm == "adamw"
         accumulate = grad_accum_steps > 1

@@ -13,6 +13,7 @@
 # sync off on all but the last micro-batch (HF Trainer's and accelerate's accumulation), the
 # window's reduce-scattered sum is stepped bit for bit as cpu_offload.reference steps it.
 import os
+import re
 import sys
 
 import pytest
@@ -693,9 +694,76 @@ def test_a_master_written_in_place_on_some_ranks_only_warns_there_without_a_hang
     assert sorted(r["warned"] for r in results) == [False, True]
 
 
+# Each case: rank 1's optimizer built with one setting other than rank 0's, and the words
+# the error must show (the setting, then both ranks' values).
+DIFFERING = {
+    "lr": (dict(lr=1e-3), r"param_groups\[1\]\['lr'\] \(rank 0: 0\.003, rank 1: 0\.001\)"),
+    "grad_accum_steps": (dict(grad_accum_steps=4), r"grad_accum_steps \(rank 0: 2, rank 1: 4\)"),
+    "max_grad_norm": (dict(max_grad_norm=1.0), r"max_grad_norm \(rank 0: None, rank 1: 1\.0\)"),
+    "skip_nonfinite": (dict(skip_nonfinite=False), r"skip_nonfinite \(rank 0: True, rank 1: False\)"),
+    "state_dtype": (dict(state_dtype=torch.bfloat16),
+                    r"state_dtype \(rank 0: 'torch.float32', rank 1: 'torch.bfloat16'\)"),
+    "keep_fp32": (dict(keep_fp32="last layer"), r"keep_fp32 \(rank 0: \[\], rank 1: \['param_groups\[0\]\[2\]', "
+                                                r"'param_groups\[1\]\[2\]'\]\)"),
+    "parameters": (dict(params="the last bias in the first group"),
+                   r"param_groups\[0\]'s parameters \(global shapes\) \(rank 0: \[\(33, 16\), \(32, 33\), \(5, 32\)\], "
+                   r"rank 1: \[\(33, 16\), \(32, 33\), \(5, 32\), \(5,\)\]\)"),
+}
+
+
+def differing_settings_worker(out_dir):
+    """Build the optimizer once per case of DIFFERING, rank 1 with its other setting, then once
+    alike (which trains a step); each rank saves what each construction raised."""
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from cpu_offload import offload_optimizer
+
+    dist.init_process_group("gloo")
+    mesh = init_device_mesh("cpu", (dist.get_world_size(),))
+    errors = {}
+    for case in [*DIFFERING, "alike"]:
+        other = dict(DIFFERING[case][0]) if case != "alike" and dist.get_rank() == 1 else {}
+        model = _shard(make_model(), mesh)
+        base = make_opt(model)
+        if other.pop("params", None):
+            base.param_groups[0]["params"].append(base.param_groups[1]["params"].pop())
+        if "lr" in other:
+            base.param_groups[1]["lr"] = other.pop("lr")
+        if other.pop("keep_fp32", None):
+            other["keep_fp32"] = list(model[4].parameters())
+        options = dict(grad_accum_steps=ACCUM, pinned_bytes=1 << 15, num_slots=2) | other
+        try:
+            opt = offload_optimizer(base, offload="full", **options)
+        except ValueError as e:
+            errors[case] = str(e)
+            continue
+        errors[case] = None
+        train(model, opt, range(1))
+        opt.close()
+    torch.save(errors, os.path.join(out_dir, f"settings{dist.get_rank()}.pt"))
+    dist.destroy_process_group()
+
+
+def test_settings_that_differ_between_ranks_are_refused_at_construction_on_every_rank(tmp_path):
+    """Options, hyper-parameters or parameters that differ between the ranks sharding a model made
+    the ranks wait in different collectives (clipping on one rank only), pair unrelated values in
+    one, or step the shards of one model with different math, with no error. The construction now
+    raises on every rank, naming the setting and each rank's value; alike settings train."""
+    run_ranks(__file__, ["--differing-settings-worker", str(tmp_path)], 2, timeout_s=150)
+    for rank in range(2):
+        errors = torch.load(tmp_path / f"settings{rank}.pt")
+        assert errors["alike"] is None
+        for case, (_, shown) in DIFFERING.items():
+            assert errors[case] is not None, (rank, case)
+            assert re.search(shown, errors[case]), (rank, case, errors[case])
+            assert "were given different settings" in errors[case]
+
+
 WORKERS = {"--worker": worker, "--clip-worker": clip_worker, "--window-worker": window_worker,
            "--overlap-worker": overlap_worker, "--single-rank-clip-worker": single_rank_clip_worker,
-           "--no-sync-worker": no_sync_worker, "--stale-master-worker": stale_master_worker}
+           "--no-sync-worker": no_sync_worker, "--stale-master-worker": stale_master_worker,
+           "--differing-settings-worker": differing_settings_worker}
 
 if __name__ == "__main__" and sys.argv[1:2] and sys.argv[1] in WORKERS:
     rank_main(lambda: WORKERS[sys.argv[1]](sys.argv[2]))
