@@ -56,7 +56,7 @@ from cpu_offload._full.options import (
 )
 from cpu_offload._full.binding import bind_for
 from cpu_offload._full.pipeline import Pipeline
-from cpu_offload._full.rank_agreement import check_ranks_agree, settings_of
+from cpu_offload._full.rank_agreement import check_ranks_agree
 from cpu_offload._full.protocol import Phase, ProtocolError, ProtocolState
 from cpu_offload._full.state_mapping import StateMapping, for_device_placement, step_edits, take_step_edits
 from cpu_offload._full.validation import StepValidator
@@ -335,7 +335,7 @@ class FullCPUOffloadOptimizer(WindowControls, torch.optim.Optimizer):
         check_fsdp_uniform_dtypes(records, compute_dtype=compute_dtype, keep_fp32=keep)
         options = dict(algorithm=self._algorithm, grad_accum_steps=grad_accum_steps, compute_dtype=str(compute_dtype),
                        state_dtype=str(state_dtype), max_grad_norm=max_grad_norm, skip_nonfinite=bool(skip_nonfinite))
-        check_ranks_agree(records, settings_of(records, hparams, options=options, keep_fp32=keep))
+        check_ranks_agree(records, hparams, options=options, keep_fp32=keep)
         device = records[0].local().device
         moments = self._algorithm == "adamw"
         accumulate = grad_accum_steps > 1

@@ -19,10 +19,10 @@ import torch.distributed as dist
 
 from cpu_offload._full.grad_norms import shard_groups
 
-__all__ = ["settings_of", "check_ranks_agree"]
+__all__ = ["check_ranks_agree"]
 
 
-def settings_of(records: list, hparams: list, *, options: dict, keep_fp32: set) -> dict:
+def _settings_of(records: list, hparams: list, options: dict, keep_fp32: set) -> dict:
     """What must be the same on every rank, as ``{name: value}`` in a fixed order: ``options``,
     each group's hyper-parameters (``options.read_hparams``) and its parameters' global shapes,
     and the parameters kept in fp32."""
@@ -52,8 +52,8 @@ def _gather(obj, group, device: torch.device) -> list:
     return [pickle.loads(t[:count].cpu().numpy().tobytes()) for t, count in zip(out, counts)]
 
 
-def check_ranks_agree(records: list, settings: dict) -> None:
-    """Compare ``settings`` (``settings_of``) over each group of more than one rank that a
+def check_ranks_agree(records: list, hparams: list, *, options: dict, keep_fp32: set) -> None:
+    """Compare the settings (``_settings_of``) over each group of more than one rank that a
     parameter of ``records`` is sharded over (gathered once per group, in the records' order);
     raise a ValueError naming what differs and each rank's value.
 
@@ -64,6 +64,7 @@ def check_ranks_agree(records: list, settings: dict) -> None:
     for rec in records:
         for group in shard_groups(rec):
             groups.setdefault(id(group), (group, rec.local().device))
+    settings = _settings_of(records, hparams, options, keep_fp32) if groups else None
     for group, device in groups.values():
         gathered = _gather(settings, group, device)
         ranks = [dist.get_global_rank(group, i) for i in range(len(gathered))]
