@@ -13,8 +13,9 @@ import torch.nn as nn
 import cpu_offload
 from cpu_offload._full.optimizer import FullCPUOffloadOptimizer
 from cpu_offload.reference import adamw_reference_
-from helpers import (HALF_STATE, SMALL, assert_same_state, batches, build, clone_tree, named, snapshot, through_torch_save,
-                     train_step)
+from cpu_offload._full.grad_norms import clip_coefficient
+from helpers import (HALF_STATE, SMALL, assert_same_state, batches, build, capture, check_stepped_once, clone_tree, named,
+                     snapshot, through_torch_save, train_step)
 
 
 def _full(params, **options):
@@ -605,6 +606,51 @@ def test_a_master_written_in_place_is_taken_and_the_backward_after_it_raises(k, 
             opt.close()
     assert_same_state(runs["assigned"][0], runs["in place"][0])
     assert all(torch.equal(a, b) for a, b in zip(runs["assigned"][1], runs["in place"][1]))
+
+
+@pytest.mark.parametrize("max_norm, held_back", [(1e6, False), (1e-3, True)], ids=["stepped in backward", "held back"])
+def test_a_master_written_in_place_after_the_last_backward_is_what_the_docs_say(max_norm, held_back):
+    """docs/full-offload.md: a master written in place (through a tensor taken before) between
+    the window's last backward and step() replaces the update where the step ran during backward
+    (the next backward takes it and raises); where the step was held back (it clips, the limit
+    known from the steps before), step() updates the written master, as torch's would."""
+    model = _net()
+    grads = capture(model)
+    opt = _full(model.parameters())
+    w = model[0].weight
+    rec = next(r for r in opt._records if r.param is w)
+    try:
+        for s in range(2):  # NOTE: clipped steps teach the clipping limit
+            model(_x(s, 0).to(torch.bfloat16)).float().pow(2).mean().backward()
+            opt.clip_grad_norm_(max_norm)
+            opt.step()
+            opt.zero_grad()
+        held = opt.state[w]["master"]
+        before = snapshot(opt)
+        grads.clear()
+        model(_x(2, 0).to(torch.bfloat16)).float().pow(2).mean().backward()
+        assert opt._pipeline.held_back == held_back
+        written = torch.randn(held.shape, generator=torch.Generator().manual_seed(3))
+        with torch.no_grad():
+            held.copy_(written)
+        coef = clip_coefficient(max_norm, float(opt.clip_grad_norm_(max_norm)))
+        opt.step()
+        opt.zero_grad()
+        if held_back:
+            before[rec.name] = (written.reshape(-1),) + before[rec.name][1:]
+            check_stepped_once(model, opt, before, grads, coef, "held back")
+            assert torch.equal(w.detach(), rec.master.view(rec.shape).to(w.dtype))
+            model(_x(3, 0).to(torch.bfloat16)).float().pow(2).mean().backward()  # no error: nothing is stale
+            opt.step()
+        else:
+            assert torch.equal(rec.master, written.reshape(-1)) and rec.step == before[rec.name][3] + 1
+            with pytest.raises(RuntimeError, match="were written in place"):
+                model(_x(3, 0).to(torch.bfloat16)).float().pow(2).mean().backward()
+            assert torch.equal(w.detach(), written.to(w.dtype))
+            with pytest.warns(RuntimeWarning, match="backward pass 1 of 1 raised"):
+                opt.zero_grad()
+    finally:
+        opt.close()
 
 
 @pytest.mark.parametrize("gpu_state", [None, HALF_STATE], ids=["host", "split"])
