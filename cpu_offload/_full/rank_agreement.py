@@ -76,6 +76,6 @@ def check_ranks_agree(records: list, hparams: list, *, options: dict, keep_fp32:
                 differ.append(f"{name} ({shown})")
         if differ:
             listed = "; ".join(differ[:4]) + (f"; and {len(differ) - 4} more" if len(differ) > 4 else "")
-            raise ValueError(f"cpu_offload: the ranks sharding these parameters were given different settings: "
+            raise ValueError(f"cpu_offload: the ranks sharding the optimizer's parameters were given different settings: "
                              f"{listed}. Full offload runs each rank's step with its own settings (the clipping "
                              "and non-finite collectives, the step's factors): give every rank the same ones")
