@@ -27,7 +27,7 @@
 # computes in fp32 from them and stores m0, v0 rounded to bf16. The update
 # u it recomputes is then off by up to about 2**-8 of |u| (not the same bits), so
 # the master comes back within about |u| * 2**-8 instead of one ulp (but after a first
-# step, whose fp32 m1 and v1 are recomputed from zeros: ``_undo_first_step``), and each
+# step, whose fp32 m1 and v1 are recomputed from zeros: ``_undo_first_steps``), and each
 # moment within about one bf16 ulp of its terms (the stored rounding, divided by
 # beta, rounded again). A skipped step's moments are therefore not bit-identical
 # to before it when something had been stepped; a NaN loss steps nothing.
@@ -87,8 +87,7 @@ def rollback_adamw_pieces_(params, grads, exp_avgs, exp_avg_sqs, steps: Sequence
     grads = [_kernel_grad(g) for g in grads]
     first = [i for i, step in enumerate(steps) if step == 1]
     rest = [i for i, step in enumerate(steps) if step != 1]
-    for i in first:
-        _undo_first_step(params[i], grads[i], hp)
+    _undo_first_steps([params[i] for i in first], [grads[i] for i in first], hp)
     if rest:
         pick = [[xs[i] for i in rest] for xs in (params, grads, exp_avgs, exp_avg_sqs)]
         kernels.adamw_inverse_step(*pick, torch.tensor([steps[i] for i in rest], dtype=torch.int64), **hp)
@@ -98,19 +97,34 @@ def rollback_adamw_pieces_(params, grads, exp_avgs, exp_avg_sqs, steps: Sequence
         exp_avg_sqs[i].zero_()
 
 
-# NOTE: the fp32 blocks a first step's undo works in: 12 B an element, 192 MiB.
+# NOTE: the fp32 scratch a first step's undo works in: 12 B an element, at most 192 MiB at once.
 _FIRST_STEP_BLOCK = 1 << 24
 
 
-def _undo_first_step(param, grad, hp: dict) -> None:
-    """The master before a first step. Its moments were 0, so the forward step's fp32 m1
+def _undo_first_steps(params, grads, hp: dict) -> None:
+    """The masters before a first step. Their moments were 0, so the forward step's fp32 m1
     and v1 are that step on zeros: the inverse reads those (the update's own bits), not the
-    ones it stored (with bf16 moments, rounded)."""
-    for start in range(0, param.numel(), _FIRST_STEP_BLOCK):
-        p, g = param[start : start + _FIRST_STEP_BLOCK], grad[start : start + _FIRST_STEP_BLOCK]
-        m1, v1, scratch = (torch.zeros(p.numel(), dtype=torch.float32) for _ in range(3))
-        kernels.adamw_step([scratch], [g], [m1], [v1], torch.zeros(1, dtype=torch.int64), **hp)
-        kernels.adamw_inverse_step([p], [g], [m1], [v1], torch.ones(1, dtype=torch.int64), **hp)
+    ones it stored (with bf16 moments, rounded). Pieces are cut at _FIRST_STEP_BLOCK elements
+    and batched up to that many, two native calls a batch."""
+    batch, size = [], 0
+    for param, grad in zip(params, grads):
+        for start in range(0, param.numel(), _FIRST_STEP_BLOCK):
+            p, g = param[start : start + _FIRST_STEP_BLOCK], grad[start : start + _FIRST_STEP_BLOCK]
+            if batch and size + p.numel() > _FIRST_STEP_BLOCK:
+                _undo_first_step_batch(batch, size, hp)
+                batch, size = [], 0
+            batch.append((p, g))
+            size += p.numel()
+    if batch:
+        _undo_first_step_batch(batch, size, hp)
+
+
+def _undo_first_step_batch(pieces, size: int, hp: dict) -> None:
+    ps, gs = [p for p, _ in pieces], [g for _, g in pieces]
+    numels = [p.numel() for p in ps]
+    m1, v1, scratch = (list(torch.zeros(size, dtype=torch.float32).split(numels)) for _ in range(3))
+    kernels.adamw_step(scratch, gs, m1, v1, torch.zeros(len(ps), dtype=torch.int64), **hp)
+    kernels.adamw_inverse_step(ps, gs, m1, v1, torch.ones(len(ps), dtype=torch.int64), **hp)
 
 
 def _keep_reachable_moments(grads, exp_avgs, exp_avg_sqs, steps: Sequence[int], beta1: float, beta2: float,

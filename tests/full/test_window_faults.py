@@ -555,3 +555,46 @@ def test_a_loss_spike_clipped_after_unclipped_steps_stays_an_adamw_step(state_dt
         error = float((rec.master - torch_master).abs().max()) / HP["lr"]
         # NOTE: bf16 moments round each step's moments (about 2**-8 lr a step against torch's)
         assert error <= ((1e-3 if state_dtype == torch.float32 else 0.02) if clip_before else 2.0), (rec.name, error)
+
+
+@pytest.mark.parametrize("moment_dtype", [torch.float32, torch.bfloat16])
+def test_first_steps_are_undone_in_batches_of_bounded_scratch_as_each_alone(moment_dtype, monkeypatch):
+    """rollback_adamw_pieces_ undoes first steps (step 1) from the forward step's fp32 moments
+    recomputed on zeros, in batches of at most _FIRST_STEP_BLOCK elements cut across and
+    within pieces: each master equals the readable reference bit for bit, each moment is 0,
+    and the later steps beside them are undone as alone."""
+    from cpu_offload import kernels
+    from cpu_offload._full import rollback
+    from cpu_offload.reference import adamw_inverse_reference_, adamw_reference_
+
+    monkeypatch.setattr(rollback, "_FIRST_STEP_BLOCK", 1024)
+    hp = dict(lr=1e-2, beta1=0.9, beta2=0.95, eps=1e-8, weight_decay=0.1, grad_scale=0.7)
+    g = torch.Generator().manual_seed(11)
+    numels, steps = [5, 1000, 0, 2500, 300, 3], [1, 1, 1, 1, 4, 1]
+    params = [torch.randn(n, generator=g) for n in numels]
+    grads = [torch.randn(n, generator=g).to(torch.bfloat16) for n in numels]
+    exp_avgs = [(torch.randn(n, generator=g) * 0.1).to(moment_dtype) for n in numels]
+    exp_avg_sqs = [(torch.rand(n, generator=g) * 0.01).to(moment_dtype) for n in numels]
+    want = [p.clone() for p in params]
+    for i, (p, grad) in enumerate(zip(want, grads)):
+        if steps[i] == 1:
+            m1, v1 = torch.zeros(p.numel()), torch.zeros(p.numel())
+            adamw_reference_(torch.zeros(p.numel()), grad, m1, v1, 1, **hp)
+            adamw_inverse_reference_(p, grad, m1, v1, 1, **hp)
+    later = [t.clone() for t in (params[4], exp_avgs[4], exp_avg_sqs[4])]
+    rollback.rollback_adamw_pieces_([later[0]], [grads[4]], [later[1]], [later[2]], [4], **hp)
+    want[4] = later[0]
+
+    batches, real_step = [], kernels.adamw_step
+    def counted(params, *args, **kwargs):
+        batches.append([p.numel() for p in params])
+        return real_step(params, *args, **kwargs)
+    monkeypatch.setattr(kernels, "adamw_step", counted)
+    rollback.rollback_adamw_pieces_(params, grads, exp_avgs, exp_avg_sqs, steps, **hp)
+
+    assert batches == [[5, 1000], [1024], [1024], [452, 3]]
+    for i, (p, w) in enumerate(zip(params, want)):
+        assert torch.equal(p.view(torch.int32), w.view(torch.int32)), i
+    for i in (0, 1, 2, 3, 5):
+        assert not exp_avgs[i].any() and not exp_avg_sqs[i].any(), i
+    assert torch.equal(exp_avgs[4], later[1]) and torch.equal(exp_avg_sqs[4], later[2])
