@@ -191,10 +191,19 @@ _STEP_APPLIED = ("full offload applies the step's update during the window's las
                  "the step's already, where torch's optimizer would show the one before it; call it after step()")
 
 
-def _late_edits_error(records, call: str, counts=()) -> RuntimeError:
-    """The error for weights (``records``) and step counts (``counts``: their records) changed
-    in place after their update ran in the window's last backward."""
-    said = []
+def _late_masters_message(records) -> str:
+    return (f"cpu_offload: the masters of {[r.name for r in records][:8]} (opt.state[p]['master']) were written in place "
+            "after the window's last backward pass and before step(); with offload='full' that backward had already "
+            "applied their update, so it could not update the written masters as torch's step() would. The written "
+            "masters are kept without this step's update (the weights are now round(master)); their moments and step "
+            "counts are this step's. Write masters after step(), or before the window's last backward pass")
+
+
+def _late_edits_error(records, call: str, counts=(), masters=()) -> RuntimeError:
+    """The error for weights (``records``), step counts (``counts``: their records) and masters
+    (``masters``: their records) changed in place after their update ran in the window's last
+    backward."""
+    said = [_late_masters_message(masters)] if masters else []
     if records:
         said.append(
             f"cpu_offload: {[r.name for r in records][:8]} changed in place after the window's last backward pass and "
@@ -909,6 +918,7 @@ class FullCPUOffloadOptimizer(WindowControls, torch.optim.Optimizer):
         check_moved_storage(self._records)  # NOTE: before any edit is taken
         late_counts = self._take_count_edits()  # NOTE: a bad count raises before anything changes
         late_edits = self._take_edits_before_step()
+        late_masters = self._masters_written_after_their_step()
         # NOTE: IDLE here: after zero_grad(set_to_none=False) torch's step() steps every parameter
         # holding a gradient, here zeros, though no backward ran: a window of no passes.
         # (After a step() and no zero_grad, torch would step its kept gradients again:
@@ -930,13 +940,14 @@ class FullCPUOffloadOptimizer(WindowControls, torch.optim.Optimizer):
         # and the window closed, so the state is the one after this step.
         with deferred_interrupts():
             self._finish_step(passes, t0, blocked_before, current)
-            if late_edits or late_counts:
+            late_masters = self._keep_masters_written(late_masters)
+            if late_edits or late_counts or late_masters:
                 # NOTE: raised inside the block: a Ctrl-C held back here is raised with it as context
                 write_compute_copies(late_edits)  # the edits are undone
                 for rec in late_counts:
                     rec.show_step(over_edit=True)
                 self._pipeline.trace.mark("step_end")
-                raise _late_edits_error(late_edits, "step()", late_counts)
+                raise _late_edits_error(late_edits, "step()", late_counts, late_masters)
         self._pipeline.trace.mark("step_end")
         return loss
 
@@ -996,6 +1007,34 @@ class FullCPUOffloadOptimizer(WindowControls, torch.optim.Optimizer):
             # NOTE: device records take theirs when they are stepped (_step_device_state)
             return adopt_edits_before_step([r for r in self._records if not r.on_device])
         return []
+
+    def _masters_written_after_their_step(self) -> list:
+        """step() (or zero_grad(), close() after the window's last backward) begins:
+        ``[(record, its master)]`` for the host masters written in place, through a master
+        tensor taken before, after their window step ran during the last backward: that update
+        is in them no more, so their step cannot update the written master as torch's would."""
+        if self._proto.phase is not Phase.APPLIED or (self._overlap and not self._proto.landed):
+            return []  # NOTE: with overlap_forward the worker may be stepping them: the next backward takes them
+        return [(r, r.master.clone()) for r in self._records
+                if not r.on_device and r.pieces_done and r.master_written()]
+
+    def _keep_masters_written(self, written: list, *, said: bool = True) -> list:
+        """The window closed: the masters written after their step are what was written (over
+        a rollback or redo, which read them as the step's result), their weights round(master);
+        their moments and counts are the step's. Returns the records to raise for (``said``);
+        under FSDP2 or over several ranks it warns instead (_stale_weights says why)."""
+        if not written:
+            return []
+        for rec, master in written:
+            rec.master.copy_(master)
+        records = [rec for rec, _ in written]
+        write_compute_copies(records)
+        if not said:
+            return []
+        if self._multi_rank or any(r.is_dtensor for r in records):
+            warnings.warn(_late_masters_message(records), RuntimeWarning, stacklevel=_user_stacklevel())
+            return []
+        return records
 
     def _take_count_edits(self) -> list:
         """step() begins (or zero_grad(), close() close the window after its last backward): a
@@ -1174,10 +1213,12 @@ class FullCPUOffloadOptimizer(WindowControls, torch.optim.Optimizer):
         check_moved_storage(self._records)  # NOTE: before any edit is taken
         late_counts = self._take_count_edits()
         late_edits = self._take_edits_before_step()
+        late_masters = self._masters_written_after_their_step()
         self._guarded(self._validator.apply)
         self._guarded(self._step_device_state)
         self._guarded(lambda: land_window(self._records, self._pipeline, self._transfer))
         self._close_window()
+        self._keep_masters_written(late_masters, said=False)  # NOTE: torch's zero_grad() keeps a written master too
         write_compute_copies(late_edits)
         show_steps(self._records)
         for rec in late_counts:

@@ -685,6 +685,32 @@ def test_a_master_written_in_place_under_fsdp2_is_taken_at_the_next_backward_wit
         opt.close()
 
 
+def test_a_master_written_in_place_after_the_last_backward_under_fsdp2_is_kept_with_a_warning(gloo_group):
+    """Under FSDP2, a master written in place between the window's last backward (whose step
+    ran during it) and step() is kept, its weight's shard written from it, and step() warns
+    instead of raising (a raise on some ranks would leave the others in a collective)."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    model, opt = _sharded_after_one_step(init_device_mesh("cpu", (1,)))
+    try:
+        w = model[2].weight
+        master = opt.state_dict()["state"][1]["master"]  # NOTE: taken before: reading it after backward raises
+        for m in range(ACCUM):
+            model(batch(1, m)).float().pow(2).mean().backward()
+        with torch.no_grad():
+            master.mul_(0.5)
+        written = master.to_local().clone()
+        with pytest.warns(RuntimeWarning, match=r"masters of \['param_groups\[0\]\[1\]'\].*written in place after "
+                                                r"the window's last backward pass"):
+            opt.step()
+        opt.zero_grad()
+        assert torch.equal(opt.state[w]["master"].to_local(), written)
+        assert torch.equal(w.to_local(), written.to(w.dtype))
+        train(model, opt, range(2, 3))  # no warning: nothing is stale
+    finally:
+        opt.close()
+
+
 def test_a_master_written_in_place_on_some_ranks_only_warns_there_without_a_hang(tmp_path):
     """One DTensor op that changes the shards of some ranks only: each rank takes what it holds
     and the one whose weight was stale warns; none raises (which left the other in a collective)."""

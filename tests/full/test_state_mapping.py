@@ -15,7 +15,7 @@ from cpu_offload._full.optimizer import FullCPUOffloadOptimizer
 from cpu_offload.reference import adamw_reference_
 from cpu_offload._full.grad_norms import clip_coefficient
 from helpers import (HALF_STATE, SMALL, assert_same_state, batches, build, capture, check_stepped_once, clone_tree, named,
-                     snapshot, through_torch_save, train_step)
+                     sigint_at_line, snapshot, through_torch_save, train_step)
 
 
 def _full(params, **options):
@@ -608,12 +608,18 @@ def test_a_master_written_in_place_is_taken_and_the_backward_after_it_raises(k, 
     assert all(torch.equal(a, b) for a, b in zip(runs["assigned"][1], runs["in place"][1]))
 
 
-@pytest.mark.parametrize("max_norm, held_back", [(1e6, False), (1e-3, True)], ids=["stepped in backward", "held back"])
-def test_a_master_written_in_place_after_the_last_backward_is_what_the_docs_say(max_norm, held_back):
-    """docs/full-offload.md: a master written in place (through a tensor taken before) between
-    the window's last backward and step() replaces the update where the step ran during backward
-    (the next backward takes it and raises); where the step was held back (it clips, the limit
-    known from the steps before), step() updates the written master, as torch's would."""
+@pytest.mark.parametrize("limit, clip_at_step, close", [(1e6, 1e6, "step"), (1e6, 1e-3, "step"), (1e-3, 1e-3, "step"),
+                                                      (1e6, None, "zero_grad")],
+                         ids=["stepped in backward", "redone at step()", "held back", "dropped by zero_grad()"])
+def test_a_master_written_in_place_after_the_last_backward_is_kept_and_said(limit, clip_at_step, close):
+    """A master written in place (through a tensor taken before) between the window's last
+    backward and step(): where the step was held back (it clips, the limit known from the steps
+    before), step() updates the written master, as torch's would. Where it ran during backward,
+    it cannot: step() keeps the written master over the step's rollback or redo, writes the
+    weight from it and raises saying so (the moments and count are the step's); zero_grad()
+    keeps it as torch's would, and says nothing more than that the update was applied. Before,
+    a redo at step() stepped the written master back and forth, and the next backward raised
+    that its forward read an old weight."""
     model = _net()
     grads = capture(model)
     opt = _full(model.parameters())
@@ -622,35 +628,74 @@ def test_a_master_written_in_place_after_the_last_backward_is_what_the_docs_say(
     try:
         for s in range(2):  # NOTE: clipped steps teach the clipping limit
             model(_x(s, 0).to(torch.bfloat16)).float().pow(2).mean().backward()
-            opt.clip_grad_norm_(max_norm)
+            opt.clip_grad_norm_(limit)
             opt.step()
             opt.zero_grad()
         held = opt.state[w]["master"]
         before = snapshot(opt)
         grads.clear()
         model(_x(2, 0).to(torch.bfloat16)).float().pow(2).mean().backward()
-        assert opt._pipeline.held_back == held_back
+        assert opt._pipeline.held_back == (limit < 1)
         written = torch.randn(held.shape, generator=torch.Generator().manual_seed(3))
         with torch.no_grad():
             held.copy_(written)
-        coef = clip_coefficient(max_norm, float(opt.clip_grad_norm_(max_norm)))
-        opt.step()
-        opt.zero_grad()
-        if held_back:
-            before[rec.name] = (written.reshape(-1),) + before[rec.name][1:]
-            check_stepped_once(model, opt, before, grads, coef, "held back")
-            assert torch.equal(w.detach(), rec.master.view(rec.shape).to(w.dtype))
-            model(_x(3, 0).to(torch.bfloat16)).float().pow(2).mean().backward()  # no error: nothing is stale
-            opt.step()
-        else:
-            assert torch.equal(rec.master, written.reshape(-1)) and rec.step == before[rec.name][3] + 1
-            with pytest.raises(RuntimeError, match="were written in place"):
-                model(_x(3, 0).to(torch.bfloat16)).float().pow(2).mean().backward()
-            assert torch.equal(w.detach(), written.to(w.dtype))
-            with pytest.warns(RuntimeWarning, match="backward pass 1 of 1 raised"):
+        if close == "zero_grad":
+            with pytest.warns(RuntimeWarning, match="zero_grad\\(\\) without step\\(\\)"):
                 opt.zero_grad()
+        else:
+            coef = clip_coefficient(clip_at_step, float(opt.clip_grad_norm_(clip_at_step)))
+            if limit < 1:
+                opt.step()
+                before[rec.name] = (written.reshape(-1),) + before[rec.name][1:]
+                check_stepped_once(model, opt, before, grads, coef, "held back")
+            else:
+                with pytest.raises(RuntimeError, match=r"were written in place after the window's last backward pass"):
+                    opt.step()
+            opt.zero_grad()
+        if limit > 1:
+            assert torch.equal(rec.master, written.reshape(-1)) and rec.step == before[rec.name][3] + 1
+        assert torch.equal(w.detach(), rec.master.view(rec.shape).to(w.dtype))
+        model(_x(3, 0).to(torch.bfloat16)).float().pow(2).mean().backward()  # no error: nothing is stale
+        opt.step()
     finally:
         opt.close()
+
+
+def test_a_ctrl_c_while_a_master_written_after_the_last_backward_is_kept_ends_as_without_it(sigint_raises):
+    """step() keeps masters written after their step inside its deferred-interrupt block: a
+    Ctrl-C at any line of that is raised with step()'s error once every master is kept and its
+    weight written, so the run goes on as without it."""
+    def run(k):
+        model = _net()
+        opt = _full(model.parameters())
+        held = [opt.state[p]["master"] for p in (model[0].weight, model[2].weight)]
+        model(_x(0, 0).to(torch.bfloat16)).float().pow(2).mean().backward()
+        with torch.no_grad():
+            for h in held:
+                h.mul_(0.5)
+        if k is None:
+            with pytest.raises(RuntimeError, match="written in place after"):
+                opt.step()
+        else:
+            hit, raised = sigint_at_line(k, opt.step, start="_keep_masters_written")
+            if not hit:
+                opt.close()
+                return None
+            assert isinstance(raised, (KeyboardInterrupt, RuntimeError)), (k, raised)
+            assert isinstance(raised, KeyboardInterrupt) or isinstance(raised.__context__, KeyboardInterrupt), k
+        opt.zero_grad()
+        model(_x(1, 0).to(torch.bfloat16)).float().pow(2).mean().backward()  # no error: nothing is stale
+        opt.step()
+        state = snapshot(opt), [p.detach().clone() for p in model.parameters()]
+        opt.close()
+        return state
+
+    want, k = run(None), 0
+    while (got := run(k + 1)) is not None:
+        k += 1
+        assert_same_state(got[0], want[0])
+        assert all(torch.equal(a, b) for a, b in zip(got[1], want[1])), k
+    assert k > 10, k
 
 
 @pytest.mark.parametrize("gpu_state", [None, HALF_STATE], ids=["host", "split"])
