@@ -120,6 +120,7 @@ def _undo_first_steps(params, grads, hp: dict) -> None:
 
 
 def _undo_first_step_batch(pieces, size: int, hp: dict) -> None:
+    """The first steps of ``pieces`` ([(master, gradient)], ``size`` elements in all) undone."""
     ps, gs = [p for p, _ in pieces], [g for _, g in pieces]
     numels = [p.numel() for p in ps]
     m1, v1, scratch = (list(torch.zeros(size, dtype=torch.float32).split(numels)) for _ in range(3))
