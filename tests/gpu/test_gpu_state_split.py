@@ -115,6 +115,44 @@ def test_auto_moves_what_the_peak_leaves_free_and_stays_within_it():
     opt.close()
 
 
+def test_a_host_master_written_in_place_after_the_last_backward_is_what_assigning_it_after_step_gives():
+    """A host-stepped master written in place between the window's last backward (whose step
+    ran during it) and step(): step() raises, keeping the written master and writing the weight
+    on the GPU from it; the state then, and after two more steps, equals the run that stepped
+    and assigned that master after step(), bit for bit."""
+    results = {}
+    for how in ("assigned after step()", "in place before step()"):
+        torch.manual_seed(0)
+        model = LM().cuda()
+        opt = offload_optimizer(make_opt(model), offload="full", gpu_state=half_budget(1, torch.float32),
+                                pinned_bytes=1 << 21)
+        rec = next(r for r in records_of(opt) if not r.on_device)
+        held = opt.state[rec.param]["master"]
+        for s in range(4):
+            loss_fn(model, tokens(s)).backward()
+            written = (rec.master.view(rec.shape) * 0.5).cpu() if s == 1 else None
+            if s == 1 and how == "in place before step()":
+                with torch.no_grad():
+                    held.copy_(written)
+                with pytest.raises(RuntimeError, match="written in place after the window's last backward pass"):
+                    opt.step()
+            else:
+                opt.step()
+            if s == 1 and how == "assigned after step()":
+                opt.state[rec.param]["master"] = written.to(rec.master.device)
+            opt.zero_grad()
+            if s == 1:
+                torch.cuda.synchronize()
+                assert torch.equal(rec.master.view(rec.shape).cpu(), written)
+                assert torch.equal(rec.local().detach().cpu(), written.to(torch.bfloat16))
+        torch.cuda.synchronize()
+        results[how] = [(r.master.cpu(), r.exp_avg.cpu(), r.exp_avg_sq.cpu(), r.step, r.local().detach().cpu())
+                        for r in records_of(opt)]
+        opt.close()
+    for a, b in zip(*results.values()):
+        assert all(torch.equal(x, y) if torch.is_tensor(x) else x == y for x, y in zip(a, b))
+
+
 @pytest.mark.filterwarnings("ignore:cpu_offload. backward pass")
 def test_masters_written_in_place_on_either_device_are_taken_and_the_next_backward_raises():
     """A master handed out (``opt.state[p]["master"]``) lives in host RAM or on the GPU: written
