@@ -115,6 +115,14 @@ def test_auto_moves_what_the_peak_leaves_free_and_stays_within_it():
     opt.close()
 
 
+def half_on_the_gpu():
+    """A seeded model and its full-offload optimizer with about half of the state on the GPU."""
+    torch.manual_seed(0)
+    model = LM().cuda()
+    return model, offload_optimizer(make_opt(model), offload="full", gpu_state=half_budget(1, torch.float32),
+                                    pinned_bytes=1 << 21)
+
+
 def test_a_host_master_written_in_place_after_the_last_backward_is_what_assigning_it_after_step_gives():
     """A host-stepped master written in place between the window's last backward (whose step
     ran during it) and step(): step() raises, keeping the written master and writing the weight
@@ -122,10 +130,7 @@ def test_a_host_master_written_in_place_after_the_last_backward_is_what_assignin
     and assigned that master after step(), bit for bit."""
     results = {}
     for how in ("assigned after step()", "in place before step()"):
-        torch.manual_seed(0)
-        model = LM().cuda()
-        opt = offload_optimizer(make_opt(model), offload="full", gpu_state=half_budget(1, torch.float32),
-                                pinned_bytes=1 << 21)
+        model, opt = half_on_the_gpu()
         rec = next(r for r in records_of(opt) if not r.on_device)
         held = opt.state[rec.param]["master"]
         for s in range(4):
@@ -160,10 +165,7 @@ def test_masters_written_in_place_on_either_device_are_taken_and_the_next_backwa
     window run again equals the run that assigned the masters, bit for bit."""
     results = {}
     for how in ("assigned", "in place"):
-        torch.manual_seed(0)
-        model = LM().cuda()
-        opt = offload_optimizer(make_opt(model), offload="full", gpu_state=half_budget(1, torch.float32),
-                                pinned_bytes=1 << 21)
+        model, opt = half_on_the_gpu()
         recs = records_of(opt)
         edited = [next(r for r in recs if r.on_device), next(r for r in recs if not r.on_device)]
         for s in range(4):
