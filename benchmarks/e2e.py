@@ -14,6 +14,9 @@
 #                           forward starts while the CPU steps the last chunks
 #   full_auto, full_bf16_auto   full / full_bf16 with gpu_state="auto": the state the GPU
 #                           has room for moves there once the warm-up windows are seen
+#   full_stream, full_bf16_stream, full_overlap_stream, full_bf16_overlap_stream
+#                           the modes above with stream_share=--stream-share: the GPU steps
+#                           that share of the host state, which crosses PCIe each step
 #   torchao                 torchao.optim.CPUOffloadOptimizer (fused CPU AdamW,
 #                           offload_gradients=True) on the plain, unsharded model under
 #                           bf16 autocast: it supports single-GPU training only
@@ -52,12 +55,14 @@ CLIP_NORMS = {"full+clip": 1e6, "full+clip_all": 1e-6}
 
 # The cpu_offload modes: mode -> (offload=, state_dtype name) for the example's build_optimizer().
 # The "_auto" modes add gpu_state="auto" (settled during the warm-up steps, see AUTO_WINDOWS),
-# the "_overlap" modes overlap_forward=model.
+# the "_overlap" modes overlap_forward=model, the "_stream" modes stream_share=--stream-share.
 OFFLOAD_OPTIONS = {"none": ("none", "float32"), "optimizer": ("optimizer", "float32"), "full": ("full", "float32"),
                    "full_auto": ("full", "float32"), "full_bf16_auto": ("full", "bfloat16"),
                    "full+clip": ("full", "float32"), "full+clip_all": ("full", "float32"),
                    "full_bf16": ("full", "bfloat16"), "full_overlap": ("full", "float32"),
-                   "full_bf16_overlap": ("full", "bfloat16")}
+                   "full_bf16_overlap": ("full", "bfloat16"), "full_stream": ("full", "float32"),
+                   "full_bf16_stream": ("full", "bfloat16"), "full_overlap_stream": ("full", "float32"),
+                   "full_bf16_overlap_stream": ("full", "bfloat16")}
 
 # The report functions are re-exported: one module to import for the whole benchmark.
 __all__ = ["LABELS", "MODES", "build_report", "format_table", "plot", "summarize", "summary_lines",
@@ -120,7 +125,8 @@ def _build(ex, mode: str, mcfg, device, cfg: dict):
         opt = ex.build_optimizer(model, name="adamw", lr=lr, weight_decay=wd, offload=offload, grad_accum=1,
                                  state_dtype=getattr(torch, state_dtype),
                                  gpu_state="auto" if mode.endswith("_auto") else None,
-                                 overlap_forward=mode.endswith("_overlap"))
+                                 overlap_forward="_overlap" in mode,
+                                 stream_share=cfg["stream_share"] if mode.endswith("_stream") else 0.0)
         return model, opt, None
     if mode == "torchao":
         from torchao.optim import CPUOffloadOptimizer
@@ -259,6 +265,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--n-heads", type=int, default=16)
     p.add_argument("--ffn-dim", type=int, default=5632)
     p.add_argument("--vocab-size", type=int, default=32000)
+    p.add_argument("--stream-share", type=float, default=0.3,
+                   help="stream_share of the _stream modes (0 to 1, default 0.3)")
     p.add_argument("--lr", type=float, default=3e-4)
     p.add_argument("--weight-decay", type=float, default=0.1)
     p.add_argument("--seed", type=int, default=0)
@@ -278,6 +286,8 @@ def parse_args(argv=None) -> argparse.Namespace:
         p.error("--warmup must be >= 0, --timeout finite and > 0, --lr and --weight-decay >= 0")
     if args.d_model % args.n_heads:
         p.error(f"--d-model {args.d_model} must be a multiple of --n-heads {args.n_heads}")
+    if not 0.0 <= args.stream_share <= 1.0:
+        p.error(f"--stream-share must be from 0 to 1, got {args.stream_share}")
     args.mode_list = [m.strip() for m in args.modes.split(",") if m.strip()]
     if not args.mode_list:
         p.error(f"--modes names no mode: {args.modes!r}")
@@ -308,7 +318,8 @@ def configs(args: argparse.Namespace) -> list[dict]:
     model = {"vocab_size": args.vocab_size, "d_model": args.d_model, "n_layers": args.n_layers,
              "n_heads": args.n_heads, "ffn_dim": args.ffn_dim, "max_seq_len": args.seq_len}
     common = {"model": model, "warmup": args.warmup, "steps": args.steps, "lr": args.lr,
-              "weight_decay": args.weight_decay, "seed": args.seed, "device": args.device}
+              "weight_decay": args.weight_decay, "seed": args.seed, "device": args.device,
+              "stream_share": args.stream_share}
     # Budgets outer, modes inner, so a short run yields whole comparisons early.
     return [dict(common, mode=m, tokens_per_step=t) for t in budgets for m in modes]
 

@@ -12,6 +12,7 @@ import statistics
 from typing import Optional
 
 MODES = ("none", "optimizer", "full", "full+clip", "full+clip_all", "full_bf16", "full_overlap", "full_bf16_overlap",
+         "full_stream", "full_bf16_stream", "full_overlap_stream", "full_bf16_overlap_stream",
          "full_auto", "full_bf16_auto", "torchao", "fsdp_cpu")
 LABELS = {
     "none": "none",
@@ -22,6 +23,10 @@ LABELS = {
     "full_bf16": "full, bf16 moments",
     "full_overlap": "full, overlap_forward",
     "full_bf16_overlap": "full, bf16 moments, overlap_forward",
+    "full_stream": "full, stream_share",
+    "full_bf16_stream": "full, bf16 moments, stream_share",
+    "full_overlap_stream": "full, overlap_forward, stream_share",
+    "full_bf16_overlap_stream": "full, bf16 moments, overlap_forward, stream_share",
     "full_auto": "full, gpu_state=auto",
     "full_bf16_auto": "full, bf16 moments, gpu_state=auto",
     "torchao": "torchao CPUOffloadOptimizer",

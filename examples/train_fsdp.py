@@ -93,14 +93,16 @@ def param_groups(model: nn.Module, weight_decay: float) -> list[dict]:
 
 def build_optimizer(model: nn.Module, *, name: str, lr: float, weight_decay: float,
                     offload: str, grad_accum: int, state_dtype: torch.dtype = torch.float32, gpu_state=None,
-                    overlap_forward: bool = False):
+                    overlap_forward: bool = False, stream_share: float = 0.0):
     """AdamW or SignSGD over `model`, wrapped for `offload`; `state_dtype` (AdamW's
     moments in host RAM), `gpu_state` (a byte budget or "auto" for state kept on the
-    GPU) and `overlap_forward` (the next forward starts while the CPU finishes the step)
-    are options of offload="full" only."""
-    if offload != "full" and (state_dtype != torch.float32 or gpu_state is not None or overlap_forward):
-        raise ValueError(f"state_dtype={state_dtype}, gpu_state={gpu_state!r} and overlap_forward="
-                         f"{overlap_forward} need offload='full', got offload={offload!r}")
+    GPU), `overlap_forward` (the next forward starts while the CPU finishes the step) and
+    `stream_share` (the share of the host state the GPU steps) are options of
+    offload="full" only."""
+    if offload != "full" and (state_dtype != torch.float32 or gpu_state is not None or overlap_forward
+                              or stream_share):
+        raise ValueError(f"state_dtype={state_dtype}, gpu_state={gpu_state!r}, overlap_forward={overlap_forward} "
+                         f"and stream_share={stream_share} need offload='full', got offload={offload!r}")
     groups = param_groups(model, weight_decay)
     if name == "adamw":
         opt = torch.optim.AdamW(groups, lr=lr, betas=(0.9, 0.95), eps=1e-8)
@@ -112,7 +114,8 @@ def build_optimizer(model: nn.Module, *, name: str, lr: float, weight_decay: flo
     # cpu_offload code (offload_optimizer would return it unchanged anyway).
     if offload == "full":
         opt = cpu_offload.offload_optimizer(opt, offload=offload, grad_accum_steps=grad_accum, state_dtype=state_dtype,
-                                            gpu_state=gpu_state, overlap_forward=model if overlap_forward else None)
+                                            gpu_state=gpu_state, overlap_forward=model if overlap_forward else None,
+                                            stream_share=stream_share)
     elif offload != "none":
         opt = cpu_offload.offload_optimizer(opt, offload=offload, grad_accum_steps=grad_accum)
     return opt

@@ -38,7 +38,7 @@ from cpu_offload._full.device_kernel import BLOCK, fused_adamw_, fused_adamw_ava
 from cpu_offload._full.grad_norms import local_norm
 
 __all__ = ["DeviceState", "AutoSplit", "choose_device_records", "device_bytes_per_element", "memory_reading",
-           "free_memory", "auto_margin", "host_margin", "records_to_free_host", "check_fused_step", "same_bits"]
+           "free_memory", "auto_margin", "host_margin", "records_to_free_host", "check_fused_step", "same_bits", "step_flat"]
 
 # Elements stepped per pass: bounds the temporaries (about 20 B per element: the fp32
 # gradient, an fp32 product, the float64 square root; 1.3 GiB) whatever the parameter's size.
@@ -235,6 +235,28 @@ def sign_sgd_piece_(p, grad, *, lr, weight_decay, grad_scale, out=None) -> None:
         out.copy_(p)
 
 
+def step_flat(algorithm: str, master: torch.Tensor, grad: torch.Tensor, exp_avg: Optional[torch.Tensor],
+              exp_avg_sq: Optional[torch.Tensor], out: torch.Tensor, step: int, hp: dict, grad_scale: float) -> None:
+    """One step of flat views on one device, in place (``out``: the compute copy, set to
+    round(master)): the fused kernel on CUDA (device_kernel.py) once it has passed
+    check_fused_step on this device, else the same operations as torch passes over pieces
+    of _PIECE elements."""
+    if (algorithm == "adamw" and fused_adamw_available(master, grad, exp_avg, exp_avg_sq, out)
+            and _fused_step_usable(master.device)):
+        fused_adamw_(master, grad, exp_avg, exp_avg_sq, step, lr=hp["lr"], beta1=hp["beta1"], beta2=hp["beta2"],
+                     eps=hp["eps"], weight_decay=hp["weight_decay"], grad_scale=grad_scale, out=out)
+        return
+    for start in range(0, max(master.numel(), 1), _PIECE):
+        piece = slice(start, start + _PIECE)
+        if algorithm == "adamw":
+            adamw_piece_(master[piece], grad[piece], exp_avg[piece], exp_avg_sq[piece], step, lr=hp["lr"],
+                         beta1=hp["beta1"], beta2=hp["beta2"], eps=hp["eps"], weight_decay=hp["weight_decay"],
+                         grad_scale=grad_scale, out=out[piece])
+        else:
+            sign_sgd_piece_(master[piece], grad[piece], lr=hp["lr"], weight_decay=hp["weight_decay"],
+                            grad_scale=grad_scale, out=out[piece])
+
+
 class DeviceState:
     """The device parameters of one full-offload optimizer.
 
@@ -244,10 +266,13 @@ class DeviceState:
         state_dtype: AdamW's moments' dtype.
         accumulate: grad_accum_steps > 1.
         track_norms: compute each gradient's norm when it arrives (the non-finite guard, clipping).
+        streamed: the streamed step (streamed_step.py) of the host records the device steps
+            (``stream_share=``): device records for their gradients and their step, which
+            keep their master and moments in its pinned host buffers.
     """
 
     def __init__(self, records: list, *, algorithm: str, state_dtype: torch.dtype, accumulate: bool,
-                 track_norms: bool) -> None:
+                 track_norms: bool, streamed=None) -> None:
         self.records: list = []
         self.algorithm = algorithm
         self.state_dtype = state_dtype
@@ -256,7 +281,16 @@ class DeviceState:
         self._events: dict = {}  # id(rec) -> event after its gradient (CUDA)
         self._norms: Optional[torch.Tensor] = None
         self._slot: dict = {}
+        self.streamed = streamed
         self.add(records)
+        if streamed is not None:
+            for rec in streamed.records:
+                device = rec.local().device
+                rec.accum = torch.zeros(rec.numel, dtype=torch.float32, device=device) if accumulate else None
+                rec.retained = None
+                rec.on_device = True
+                self._slot[id(rec)] = len(self.records)
+                self.records.append(rec)
 
     def add(self, records: list) -> None:
         """Move ``records``' state to their parameters' device: a new record takes its
@@ -288,8 +322,16 @@ class DeviceState:
 
     @property
     def nbytes(self) -> int:
+        """Bytes of state in device memory (a streamed record's own: its accumulator)."""
+        streamed = set() if self.streamed is None else {id(r) for r in self.streamed.records}
         return sum(t.numel() * t.element_size() for r in self.records
-                   for t in (r.master, r.exp_avg, r.exp_avg_sq, r.accum) if t is not None)
+                   for t in ((r.accum,) if id(r) in streamed else (r.master, r.exp_avg, r.exp_avg_sq, r.accum))
+                   if t is not None)
+
+    @property
+    def host_nbytes(self) -> int:
+        """Bytes of the streamed records' pinned host state."""
+        return 0 if self.streamed is None else self.streamed.nbytes
 
     # ------------------------------------------------------------ during backward
     def take_grad(self, rec, grad: torch.Tensor, *, final: bool, add: bool) -> None:
@@ -341,9 +383,16 @@ class DeviceState:
         """Step every device record of the window not stepped yet, with ``grad_scale``;
         returns them."""
         stepped = []
+        due = [rec for rec in self.records if rec.pieces_total and not rec.stepped]
+        streamed = set() if self.streamed is None else {id(r) for r in self.streamed.records}
         with torch.no_grad():
-            for rec in self.records:
-                if not rec.pieces_total or rec.stepped:
+            if streamed:
+                # NOTE: first: its copies then overlap the device records' step
+                stepped += self.streamed.step([r for r in due if id(r) in streamed], hparams, grad_scale,
+                                              lambda rec: rec.accum if self.accumulate else rec.retained,
+                                              self._events)
+            for rec in due:
+                if id(rec) in streamed:
                     continue
                 event = self._events.get(id(rec))
                 if event is not None:
@@ -362,26 +411,8 @@ class DeviceState:
         return stepped
 
     def _step_record(self, rec, grad: torch.Tensor, hp: dict, grad_scale: float) -> None:
-        """One record's step: the fused kernel on CUDA (device_kernel.py) once it has passed
-        check_fused_step on this device, else the same operations as torch passes over
-        pieces of _PIECE elements."""
-        local = rec.local().detach().view(-1)
-        moments = (rec.exp_avg, rec.exp_avg_sq)
-        if (self.algorithm == "adamw" and fused_adamw_available(rec.master, grad, *moments, local)
-                and _fused_step_usable(rec.master.device)):
-            fused_adamw_(rec.master, grad, *moments, rec.step + 1, lr=hp["lr"], beta1=hp["beta1"],
-                         beta2=hp["beta2"], eps=hp["eps"], weight_decay=hp["weight_decay"], grad_scale=grad_scale,
-                         out=local)
-            return
-        for start in range(0, max(rec.numel, 1), _PIECE):
-            piece = slice(start, start + _PIECE)
-            if self.algorithm == "adamw":
-                adamw_piece_(rec.master[piece], grad[piece], rec.exp_avg[piece], rec.exp_avg_sq[piece],
-                             rec.step + 1, lr=hp["lr"], beta1=hp["beta1"], beta2=hp["beta2"], eps=hp["eps"],
-                             weight_decay=hp["weight_decay"], grad_scale=grad_scale, out=local[piece])
-            else:
-                sign_sgd_piece_(rec.master[piece], grad[piece], lr=hp["lr"], weight_decay=hp["weight_decay"],
-                                grad_scale=grad_scale, out=local[piece])
+        step_flat(self.algorithm, rec.master, grad, rec.exp_avg, rec.exp_avg_sq, rec.local().detach().view(-1),
+                  rec.step + 1, hp, grad_scale)
 
     def reset_window(self) -> None:
         self._events.clear()

@@ -404,9 +404,10 @@ def check_host_ram(needed: int, pinned: int, available: int, why: str = "") -> N
 
 
 def allocate_host_state(records: list[ParamRecord], *, moments: bool, accumulate: bool,
-                        state_dtype: torch.dtype = torch.float32) -> HostBuffers:
+                        state_dtype: torch.dtype = torch.float32, pin: bool = False) -> HostBuffers:
     """Allocate flat buffers (masters and accumulators fp32, moments in
-    ``state_dtype``) and give each record its views; copy the masters.
+    ``state_dtype``; page-locked with ``pin``) and give each record its views; copy the
+    masters.
 
     NOTE: the caller binds the process to its CPU set before this runs, so the
     first touch below (the zero fill and the master copy) places the pages on
@@ -415,10 +416,10 @@ def allocate_host_state(records: list[ParamRecord], *, moments: bool, accumulate
     no alignment.
     """
     total = sum(_padded(r.numel) for r in records)
-    master = torch.empty(total, dtype=torch.float32)
-    exp_avg = torch.zeros(total, dtype=state_dtype) if moments else None
-    exp_avg_sq = torch.zeros(total, dtype=state_dtype) if moments else None
-    accum = torch.zeros(total, dtype=torch.float32) if accumulate else None
+    master = torch.empty(total, dtype=torch.float32, pin_memory=pin)
+    exp_avg = torch.zeros(total, dtype=state_dtype, pin_memory=pin) if moments else None
+    exp_avg_sq = torch.zeros(total, dtype=state_dtype, pin_memory=pin) if moments else None
+    accum = torch.zeros(total, dtype=torch.float32, pin_memory=pin) if accumulate else None
     off = 0
     for r in records:
         sl = slice(off, off + r.numel)

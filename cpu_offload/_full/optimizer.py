@@ -51,11 +51,12 @@ from cpu_offload._common.dtensor import local_of
 from cpu_offload._full.dtype_hint import add_note, watch_first_forward
 from cpu_offload._common.interrupts import deferred_interrupts
 from cpu_offload._full.options import (
-    check_clipping_options, check_gpu_state, check_keep_fp32, check_optimizer, check_options, check_timeout,
+    check_clipping_options, check_gpu_state, check_keep_fp32, check_stream_share, check_optimizer, check_options, check_timeout,
     read_hparams, ring_rooms, staging_rings,
 )
 from cpu_offload._full.binding import bind_for
 from cpu_offload._full.pipeline import Pipeline
+from cpu_offload._full.streamed_step import StreamedStep, choose_streamed
 from cpu_offload._full.rank_agreement import check_ranks_agree
 from cpu_offload._full.protocol import Phase, ProtocolError, ProtocolState
 from cpu_offload._full.state_mapping import StateMapping, for_device_placement, step_edits, take_step_edits
@@ -288,6 +289,11 @@ class FullCPUOffloadOptimizer(WindowControls, torch.optim.Optimizer):
             ``step()``) must call ``wait_for_weights()`` first; the optimizer's own calls,
             a module's ``state_dict()`` and the next backward wait by themselves. Default
             None: ``step()`` returns once every new weight is on the device, as in torch.
+        stream_share: the share (0 to 1, of their elements) of the host parameters, spread
+            evenly over the optimizer's order, whose master and moments stay in pinned host
+            memory and are stepped on the device when the window closes: their state crosses
+            to the device and back, the CPU steps the rest (streamed_step.py). The same bits
+            as the CPU's step. Default 0: the CPU steps every host parameter.
     """
 
     @property
@@ -316,6 +322,7 @@ class FullCPUOffloadOptimizer(WindowControls, torch.optim.Optimizer):
         grad_copy: str = "device",
         gpu_state: Optional[Union[int, str]] = None,
         overlap_forward: Optional[torch.nn.Module] = None,
+        stream_share: float = 0.0,
     ) -> None:
         self._proto = ProtocolState()  # CLOSED until fully constructed
         self._algorithm = check_optimizer(optimizer)
@@ -332,6 +339,7 @@ class FullCPUOffloadOptimizer(WindowControls, torch.optim.Optimizer):
         if carried is not None:  # NOTE: an entry a lookup made (torch's state is a defaultdict) holds nothing
             carried["state"] = {i: entry for i, entry in carried["state"].items() if entry}
         check_gpu_state(gpu_state)
+        stream_share = check_stream_share(stream_share)
         keep = check_keep_fp32(keep_fp32, optimizer)
         trace = trace_from_env()
         tracking = skip_nonfinite or max_grad_norm is not None
@@ -415,16 +423,27 @@ class FullCPUOffloadOptimizer(WindowControls, torch.optim.Optimizer):
             host_records = on_host(on_device)
             needed = host_needed(host_records)
             shape = rings(host_records, available - needed - margin, fill=True)
+        # the streamed records: host state, no host gradient or accumulator (device_state.py)
+        streamed = choose_streamed(host_records, stream_share)
+        if streamed:
+            host_records = on_host(on_device + streamed)
+            needed = host_needed(host_records) + host_bytes_needed(
+                streamed, moments=moments, accumulate=False, state_dtype=state_dtype, grad_itemsize=lambda r: 0)
         check_host_ram(needed, shape.nbytes, available, why)
 
         self.binding = bind_for(device, sysfs_root)  # before any host state is touched
+        transfer = make_transfer(device)
         self._host = allocate_host_state(host_records, moments=moments, accumulate=accumulate,
                                          state_dtype=state_dtype)
+        stream = None
+        if streamed:
+            stream = StreamedStep(streamed, allocate_host_state(streamed, moments=moments, accumulate=False,
+                                                                state_dtype=state_dtype, pin=transfer.pin),
+                                  algorithm=self._algorithm, device=device)
         self._device = DeviceState(on_device, algorithm=self._algorithm, state_dtype=state_dtype,
-                                   accumulate=accumulate, track_norms=tracking)
+                                   accumulate=accumulate, track_norms=tracking, streamed=stream)
         self._device_per_element = per_element
         self._auto = AutoSplit(device) if gpu_state == "auto" else None
-        transfer = make_transfer(device)
         # NOTE: the pinned rings are allocated before anything touches the model,
         # so a failed allocation leaves the parameters as they were.
         d2h = HostRing("d2h", num_slots=shape.d2h_slots, slot_bytes=shape.slot_bytes, pin=transfer.pin)
@@ -1069,7 +1088,7 @@ class FullCPUOffloadOptimizer(WindowControls, torch.optim.Optimizer):
             self._transfer.compute_waits_for_h2d()
         v = self._validator
         stats = dict(step_blocked_s=blocked_before + time.perf_counter() - t0,
-                     pinned_bytes=self._pinned_bytes, host_bytes=self._host.nbytes,
+                     pinned_bytes=self._pinned_bytes, host_bytes=self._host.nbytes + self._device.host_nbytes,
                      gpu_state_bytes=self._device.nbytes, backward_passes=passes,
                      grad_norm=v.grad_norm, clip_coef=v.clip_coef, skipped=v.skipped)
         self._close_window(landing=landing)

@@ -22,7 +22,7 @@ from cpu_offload._common.wrapping import check_not_offloaded
 from cpu_offload.optim import SignSGD
 from cpu_offload._full.packing import align_up
 
-__all__ = ["check_optimizer", "check_options", "check_keep_fp32", "check_gpu_state", "staging_rings", "ring_rooms",
+__all__ = ["check_optimizer", "check_options", "check_keep_fp32", "check_gpu_state", "check_stream_share", "staging_rings", "ring_rooms",
            "Rings", "read_hparams"]
 
 _UNSUPPORTED_ADAMW = ("amsgrad", "maximize", "capturable", "differentiable")
@@ -99,6 +99,14 @@ def check_gpu_state(gpu_state) -> None:
         return
     if isinstance(gpu_state, bool) or not isinstance(gpu_state, int) or gpu_state < 0:
         raise ValueError(f"gpu_state must be None, a number of bytes >= 0 or 'auto', got {gpu_state!r}")
+
+
+def check_stream_share(stream_share) -> float:
+    """``stream_share``: the share of the host parameters' elements the device steps, in [0, 1]."""
+    if isinstance(stream_share, bool) or not isinstance(stream_share, (int, float)) \
+            or not 0.0 <= stream_share <= 1.0:
+        raise ValueError(f"stream_share must be a number from 0 to 1, got {stream_share!r}")
+    return float(stream_share)
 
 
 def check_clipping_options(*, max_grad_norm, skip_nonfinite, grad_copy) -> Optional[float]:

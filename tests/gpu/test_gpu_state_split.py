@@ -19,14 +19,16 @@ pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(),
 STEPS = 20
 
 
-def run(budget, *, accum, state_dtype, fsdp=False, nan_at=None, max_grad_norm=None, history=None):
+def run(budget, *, accum, state_dtype, fsdp=False, nan_at=None, max_grad_norm=None, history=None, overlap=False,
+        **options):
     torch.manual_seed(0)
     model = LM().cuda()
     if fsdp:
         model = shard_blocks(model)
     grads = capture_local_grads(model) if history is not None else None
     opt = offload_optimizer(make_opt(model), offload="full", grad_accum_steps=accum, state_dtype=state_dtype,
-                            gpu_state=budget, max_grad_norm=max_grad_norm, pinned_bytes=1 << 21)
+                            gpu_state=budget, max_grad_norm=max_grad_norm, pinned_bytes=1 << 21,
+                            overlap_forward=model if overlap else None, **options)
     for s in range(STEPS):
         if grads is not None:
             grads.clear()
@@ -37,6 +39,7 @@ def run(budget, *, accum, state_dtype, fsdp=False, nan_at=None, max_grad_norm=No
         if history is not None:
             history.append((opt.stats()["clip_coef"], {n: sum(g[1:], g[0].clone()) for n, g in grads.items()}))
         opt.zero_grad()
+    opt.wait_for_weights()
     torch.cuda.synchronize()
     by_id = {id(p): n for n, p in model.named_parameters()}
     state = {by_id[id(r.param)]: (r.on_device, r.master.cpu(), r.exp_avg.cpu(), r.exp_avg_sq.cpu(), r.step,

@@ -1,0 +1,157 @@
+# Host state stepped on the device (stream_share=), on CPU parameters: the "device" is then the
+# CPU, so the streamed records go through the same slots and copies as on a GPU, stepped by
+# device_state.py's operations. Any share trains bit for bit like the all-host run (AdamW with
+# fp32 or bf16 moments, SignSGD, accumulation, zero-filled gradients, a skipped step, clipping),
+# records longer than a slot and a ring that wraps included; checkpoints load across shares;
+# a failure inside the streamed step names the parameter it left partly updated; a Ctrl-C at
+# any line of it ends as without it; bad values are refused naming the argument.
+import pytest
+import torch
+
+from cpu_offload._full import streamed_step
+from cpu_offload._full.optimizer import FullCPUOffloadOptimizer
+from helpers import SMALL, assert_same_state, named, records_of, sigint_at_line, train_step
+from test_gpu_state import build, state_of, train
+
+
+@pytest.fixture
+def small_slots(monkeypatch):
+    """Slots of 300 elements: the model's larger weights span several, and the ring of
+    4 wraps within a step."""
+    monkeypatch.setattr(streamed_step, "SLOT_ELEMENTS", 300)
+
+
+@pytest.mark.filterwarnings("ignore:cpu_offload. optimizer step skipped")
+@pytest.mark.parametrize("kind, k, state_dtype, zero_fill", [
+    ("adamw", 1, torch.float32, False), ("adamw", 2, torch.float32, True), ("adamw", 1, torch.bfloat16, True),
+    ("adamw", 3, torch.bfloat16, False), ("sign_sgd", 1, torch.float32, False), ("sign_sgd", 2, torch.float32, True)])
+@pytest.mark.parametrize("share", [0.5, 1.0])
+def test_any_stream_share_trains_bit_for_bit_like_the_all_host_run(kind, k, state_dtype, zero_fill, share,
+                                                                   small_slots):
+    opts = dict(state_dtype=state_dtype) if kind == "adamw" else {}
+    host_model, host, _ = train(kind, k, 6, gpu_state=None, zero_fill=zero_fill, nan_at=3, **opts)
+    split_model, split, _ = train(kind, k, 6, gpu_state=None, stream_share=share, zero_fill=zero_fill, nan_at=3,
+                                  **opts)
+    streamed = [r for r in records_of(split) if r.on_device]
+    assert 0 < len(streamed) < len(records_of(split)) if share < 1 else len(streamed) == len(records_of(split))
+    assert all(r.master.device.type == "cpu" and not r.master.is_cuda for r in streamed)
+    plan = split._device.streamed.plan(streamed)
+    assert len(plan) > 4 and all(stop - start <= 300 for start, stop, _ in plan)  # split records, a wrapped ring
+    assert split.stats()["gpu_state_bytes"] == sum(4 * r.numel for r in streamed if k > 1)  # their accumulators
+    assert host.stats()["skipped_steps"] == split.stats()["skipped_steps"] == 1  # the NaN step
+    assert_same_state(state_of(host_model, host), state_of(split_model, split))
+
+
+@pytest.mark.parametrize("how", ["max_grad_norm", "clip_grad_norm_"])
+def test_a_clipped_stream_share_steps_each_parameter_as_the_path_it_took(how, small_slots):
+    """The host parameters are stepped during backward, rolled back and redone when clipping
+    sets the factor (with the rollback's error of about one ulp, docs/full-offload.md); the
+    streamed ones once, at step(), with the final factor, as device parameters are: each equals
+    the run whose parameters all took its path, bit for bit."""
+    opts = dict(max_grad_norm=1e-3) if how == "max_grad_norm" else dict(clip=1e-3)
+    runs = {name: train("adamw", 1, 5, state_dtype=torch.bfloat16, **split, **opts)
+            for name, split in (("host", dict(gpu_state=None)), ("device", dict(gpu_state=1 << 40)),
+                                ("streamed", dict(gpu_state=None, stream_share=0.5)))}
+    coefs = {name: [coef for coef, _ in history] for name, (_, _, history) in runs.items()}
+    assert coefs["host"] == coefs["device"] == coefs["streamed"] and all(c < 1 for c in coefs["host"])
+    states = {name: state_of(model, off) for name, (model, off, _) in runs.items()}
+    model, off, _ = runs["streamed"]
+    path = {n: "device" if r.on_device else "host" for n, r in named(model, off).items()}
+    assert sorted(set(path.values())) == ["device", "host"]
+    assert_same_state(states["streamed"], {n: states[path[n]][n] for n in states["streamed"]})
+
+
+@pytest.mark.parametrize("save_share, load_share", [(0.0, 0.5), (1.0, 0.0), (0.5, 1.0)])
+def test_a_checkpoint_loads_with_any_stream_share(save_share, load_share):
+    model, saved, _ = train("adamw", 1, 3, gpu_state=None, stream_share=save_share)
+    sd = saved.state_dict()
+    sd = {"state": {i: {k: v.clone() for k, v in e.items()} for i, e in sd["state"].items()},
+          "param_groups": sd["param_groups"]}
+    expected = state_of(model, saved)
+    other, opt = build("adamw", seed=1)
+    off = FullCPUOffloadOptimizer(opt, stream_share=load_share, **SMALL)
+    off.load_state_dict(sd)
+    loaded = state_of(other, off)
+    for n, (master, m, v, step, _) in expected.items():
+        assert torch.equal(loaded[n][0], master) and torch.equal(loaded[n][1], m) and torch.equal(loaded[n][2], v)
+        assert loaded[n][3] == step and torch.equal(loaded[n][4], master.view_as(loaded[n][4]).bfloat16()), n
+
+
+@pytest.mark.parametrize("bad", [-0.1, 1.5, True, "auto", None, float("nan")])
+def test_bad_stream_share_values_are_refused_naming_the_argument(bad):
+    model, opt = build("adamw")
+    with pytest.raises(ValueError, match="stream_share"):
+        FullCPUOffloadOptimizer(opt, stream_share=bad, **SMALL)
+    assert all(p.dtype == torch.float32 for p in model.parameters())  # nothing changed
+
+
+def test_a_streamed_step_that_fails_between_two_pieces_of_a_parameter_names_it_as_partly_updated(
+        monkeypatch, small_slots):
+    """An out-of-memory after a parameter's first slot was stepped and sent back, before its
+    second: its host master holds one part of the step; step() names it and no other, those
+    sent back whole count their step, those not reached keep theirs."""
+    model, opt = build("adamw")
+    off = FullCPUOffloadOptimizer(opt, stream_share=1.0, **SMALL)
+    train_step(model, off, 0, 1)
+    off.step()
+    off.zero_grad()
+    train_step(model, off, 1, 1)
+    streamed = off._device.streamed
+    plan = streamed.plan([r for r in records_of(off) if r.pieces_total])
+    # the first piece that is not a record's first: the record it continues is then torn
+    calls = [p for _, _, pieces in plan for p in pieces]
+    fail_at = next(i for i, (rec, lo, _) in enumerate(calls) if lo != streamed._offset[id(rec)])
+    torn = calls[fail_at][0]
+    before = {n: (r.master.clone(), r.step) for n, r in named(model, off).items()}
+    real, seen = streamed_step.step_flat, [0]
+
+    def failing(*args):
+        if seen[0] == fail_at:
+            raise torch.OutOfMemoryError("out of memory (injected)")
+        seen[0] += 1
+        return real(*args)
+
+    monkeypatch.setattr(streamed_step, "step_flat", failing)
+    with pytest.raises(RuntimeError, match="only partly updated.*reload the last checkpoint") as err:
+        off.step()
+    assert f"[{torn.name!r}]" in str(err.value)
+    assert isinstance(err.value.__context__, torch.OutOfMemoryError)
+    done = {id(rec) for rec, _, _ in calls[:fail_at]} - {id(torn)}
+    for n, r in named(model, off).items():
+        changed = not torch.equal(r.master, before[n][0])
+        if r is torn:
+            assert changed and r.step == before[n][1]
+        elif id(r) in done:
+            assert changed and r.step == before[n][1] + 1, n
+        else:
+            assert not changed and r.step == before[n][1], n
+    off.close()
+
+
+def test_a_ctrl_c_at_any_line_of_the_streamed_step_ends_as_without_it(sigint_raises, small_slots):
+    """The streamed step runs inside step()'s deferred-interrupt block: a Ctrl-C at any of its
+    lines is raised once the step is complete, so training goes on as without it."""
+    def run(k):
+        model, opt = build("adamw")
+        off = FullCPUOffloadOptimizer(opt, stream_share=0.5, **SMALL)
+        train_step(model, off, 0, 1)
+        if k is None:
+            off.step()
+        else:
+            hit, raised = sigint_at_line(k, off.step, start="_step_device_state")
+            if not hit:
+                off.close()
+                return None
+            assert isinstance(raised, KeyboardInterrupt), (k, raised)
+        off.zero_grad()
+        train_step(model, off, 1, 1)
+        off.step()
+        state = state_of(model, off)
+        off.close()
+        return state
+
+    want, k = run(None), 0
+    while (got := run(k + 1)) is not None:
+        k += 1
+        assert_same_state(got, want)
+    assert k > 20, k
