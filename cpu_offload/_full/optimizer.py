@@ -495,6 +495,9 @@ class FullCPUOffloadOptimizer(WindowControls, torch.optim.Optimizer):
                     records, frozen=frozen, guard=lambda what: None if (w := ref()) is None else w._check_idle(what),
                     read_guard=lambda what: None if (w := ref()) is None else w._check_state_read(what))
                 self._overlap = overlap
+                # NOTE: the window's last chunks may land after its last backward: in step()
+                # (stream_share: beside the streamed step), or after it (overlap_forward)
+                self._lands_late = (overlap_forward is not None or bool(streamed)) and not (accumulate and tracking)
                 self._multi_rank = (torch.distributed.is_available() and torch.distributed.is_initialized()
                                     and torch.distributed.get_world_size() > 1)
                 if overlap_forward is not None:
@@ -751,7 +754,15 @@ class FullCPUOffloadOptimizer(WindowControls, torch.optim.Optimizer):
         a functional model reads its weights through modules that hold none); on another
         thread only that of a module holding one of its parameters: another model's forward
         there leaves it. A forked child leaves the parent's window alone."""
-        if os.getpid() != self._pid or not self._proto.died_unrecovered():
+        if os.getpid() != self._pid:
+            return
+        if self._proto.phase is Phase.APPLIED and not self._proto.landed and not self._overlap:
+            # NOTE: armed by _complete_window: the window's last chunks land in step() (stream_share)
+            if threading.get_ident() == self._proto.thread or any(id(p) in self._owned_ids
+                                                                  for p in module.parameters()):
+                self.wait_for_weights()
+            return
+        if not self._proto.died_unrecovered():
             return
         if threading.get_ident() == self._proto.thread or any(id(p) in self._owned_ids for p in module.parameters()):
             self._settle()
@@ -817,7 +828,7 @@ class FullCPUOffloadOptimizer(WindowControls, torch.optim.Optimizer):
         With overlap_forward its last chunks may still run, once their gradients' norms
         show that validation will keep their speculative step (finite, and no factor
         that could overflow): a redo or a skip waits for them (validation.py)."""
-        late = self._overlap and not self._pipeline.deferred
+        late = self._lands_late and not self._pipeline.deferred
         self._guarded(lambda: finish_window(self._records, self._pipeline, self._transfer,
                                             zero_fill=self._proto.zero_fill, device=self._device, land=not late))
         if late and self._validator.tracking and not self._accumulate:
@@ -827,6 +838,8 @@ class FullCPUOffloadOptimizer(WindowControls, torch.optim.Optimizer):
                 # that step() can tell an edit made since from them
                 self._guarded(lambda: land_window(self._records, self._pipeline, self._transfer))
         self._proto.landed = not late
+        if late and not self._overlap:
+            self._next_forward.arm()  # NOTE: a forward before step() waits for the new weights
         self._guarded(self._device.read_norms, completes_step=True)
         self._guarded(self._validator.after_final_pass, completes_step=True)
         self._proto.move(Phase.APPLIED)
@@ -890,6 +903,8 @@ class FullCPUOffloadOptimizer(WindowControls, torch.optim.Optimizer):
             note_versions(self._device.step(hparams or self._pipeline.hparams, self._validator.factor()))
 
     def _close_window(self, *, abandoned: bool = False, landing: bool = False) -> None:
+        if self._lands_late and not self._overlap:
+            self._next_forward.remove()  # NOTE: armed by _complete_window for the window's landing
         if not landing:  # NOTE: the worker still counts the steps of a landing window
             reset_window(self._records, self._pipeline)
         self._device.reset_window()
@@ -1022,7 +1037,7 @@ class FullCPUOffloadOptimizer(WindowControls, torch.optim.Optimizer):
         NOTE: with overlap_forward, while the window's weights may still be on their way
         (wait_for_weights() not called), a version change is no sign of an edit: nothing is
         checked then (an edit may be overwritten, docs/full-offload.md)."""
-        if self._proto.phase is not Phase.APPLIED or self._proto.landed or not self._overlap:
+        if self._proto.phase is not Phase.APPLIED or self._proto.landed or not self._lands_late:
             # NOTE: device records take theirs when they are stepped (_step_device_state)
             return adopt_edits_before_step([r for r in self._records if not r.on_device])
         return []
@@ -1032,7 +1047,7 @@ class FullCPUOffloadOptimizer(WindowControls, torch.optim.Optimizer):
         ``[(record, its master)]`` for the host masters written in place, through a master
         tensor taken before, after their window step ran during the last backward: that update
         is in them no more, so their step cannot update the written master as torch's would."""
-        if self._proto.phase is not Phase.APPLIED or (self._overlap and not self._proto.landed):
+        if self._proto.phase is not Phase.APPLIED or (self._lands_late and not self._proto.landed):
             return []  # NOTE: with overlap_forward the worker may be stepping them: the next backward takes them
         return [(r, r.master.clone()) for r in self._records
                 if not r.on_device and r.pieces_done and r.master_written()]
@@ -1067,7 +1082,7 @@ class FullCPUOffloadOptimizer(WindowControls, torch.optim.Optimizer):
         edits = step_edits(self._records)
         if not edits:
             return []
-        running = self._proto.phase is Phase.APPLIED and not self._proto.landed and self._overlap
+        running = self._proto.phase is Phase.APPLIED and not self._proto.landed and self._lands_late
         late = [rec for rec, _ in edits if rec.pieces_done or (running and rec.pieces_total and not rec.on_device)]
         take_step_edits([(rec, count) for rec, count in edits if rec not in late])
         return late
@@ -1080,7 +1095,7 @@ class FullCPUOffloadOptimizer(WindowControls, torch.optim.Optimizer):
         self._guarded(lambda: self._step_device_state(hparams), completes_step=True)
         self._transfer.set_compute_stream()
         landing = self._overlap and self._pipeline.in_flight
-        if self._overlap and not landing:
+        if self._lands_late and not landing:
             # NOTE: a window whose chunks all ran before step() still notes the weights they
             # wrote: else the next window would take them for the user's and compare each one
             self._guarded(lambda: land_window(self._records, self._pipeline, self._transfer))
@@ -1113,12 +1128,14 @@ class FullCPUOffloadOptimizer(WindowControls, torch.optim.Optimizer):
 
     def wait_for_weights(self) -> None:
         """Wait until the last step's new weights are all on the device (with
-        ``overlap_forward``, step() and the window's last backward may return before;
-        without, they already are)."""
+        ``overlap_forward``, step() and the window's last backward may return before; with
+        ``stream_share``, the window's last backward; else they already are)."""
         self._enter()
         if self._proto.phase is Phase.APPLIED and not self._proto.landed:
             self._guarded(lambda: land_window(self._records, self._pipeline, self._transfer))
             self._proto.landed = True
+            if not self._overlap:
+                self._next_forward.remove()
 
     def _await_weights(self, recs: list, fsdp_state) -> None:
         """overlap_forward's forward pre-hook: the new weights of ``recs`` are on the

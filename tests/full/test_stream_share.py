@@ -10,7 +10,7 @@ import torch
 
 from cpu_offload._full import streamed_step
 from cpu_offload._full.optimizer import FullCPUOffloadOptimizer
-from helpers import SMALL, assert_same_state, named, records_of, sigint_at_line, train_step
+from helpers import SMALL, Gate, assert_same_state, batches, named, records_of, sigint_at_line, train_step
 from test_gpu_state import build, state_of, train
 
 
@@ -155,3 +155,68 @@ def test_a_ctrl_c_at_any_line_of_the_streamed_step_ends_as_without_it(sigint_rai
         k += 1
         assert_same_state(got, want)
     assert k > 20, k
+
+
+def _held_run(monkeypatch, *, share, then="step", clip=None, steps=4, gpu_state=None):
+    """``build("adamw")`` trained for ``steps`` windows, the CPU kernels held during each
+    window's last backward (helpers.Gate): with a stream share the backward returns with
+    the CPU's chunks in flight, and step() (or ``then``) lands them. Returns the model, the
+    wrapper and how many windows ended their backward in flight."""
+    gate = Gate(monkeypatch)
+    model, opt = build("adamw")
+    off = FullCPUOffloadOptimizer(opt, stream_share=share, gpu_state=gpu_state, pinned_bytes=1 << 16, num_slots=4)
+    in_flight = 0
+    for s in range(steps):
+        ((x, extra),) = batches(s, 1)
+        loss = model(x.to(torch.bfloat16), use_extra=extra).float().pow(2).mean()
+        gate.close()
+        loss.backward()
+        in_flight += off._pipeline.in_flight
+        if clip is not None:
+            off.clip_grad_norm_(clip)
+        if then == "step":
+            off.step()
+        else:
+            getattr(off, then)()
+        gate.opened.set()
+        off.zero_grad()
+    return model, off, in_flight
+
+
+@pytest.mark.filterwarnings("ignore:cpu_offload. zero_grad.. without step")
+@pytest.mark.parametrize("then, clip", [("step", None), ("step", 1e-3), ("zero_grad", None)])
+def test_with_a_stream_share_the_cpus_last_chunks_land_in_step_and_the_run_is_exact(monkeypatch, then, clip):
+    """With a stream share, the window's last backward returns without waiting for the CPU's
+    chunks, so the streamed step at step() runs beside them: step() (or zero_grad()) lands
+    them, a clip redoes them; each parameter equals, bit for bit, the run whose parameters all
+    took its path (host: the run without the share; streamed: with every state on the device,
+    stepped once as they are, where a clip leaves the host's rollback error)."""
+    host_model, host, held = _held_run(monkeypatch, share=0.0, then=then, clip=clip)
+    assert held == 0  # without the share, backward waits for its chunks
+    device_model, device, _ = _held_run(monkeypatch, share=0.0, then=then, clip=clip, gpu_state=1 << 40)
+    model, off, held = _held_run(monkeypatch, share=0.5, then=then, clip=clip)
+    assert held == (4 if clip is None else 1)  # NOTE: a window after a clipped one holds its chunks back
+    want = {"host": state_of(host_model, host), "device": state_of(device_model, device)}
+    path = {n: "device" if r.on_device else "host" for n, r in named(model, off).items()}
+    assert sorted(set(path.values())) == ["device", "host"]
+    got = state_of(model, off)
+    assert_same_state(got, {n: want[path[n]][n] for n in got})
+
+
+def test_with_a_stream_share_a_forward_between_backward_and_step_reads_the_landed_weights(monkeypatch):
+    model, off, _ = _held_run(monkeypatch, share=0.5, steps=1)
+    gate = Gate(monkeypatch)
+    torch.manual_seed(5)
+    probe = torch.randn(4, 24).to(torch.bfloat16)
+    ((x, extra),) = batches(1, 1)
+    loss = model(x.to(torch.bfloat16), use_extra=extra).float().pow(2).mean()
+    before = model(probe)
+    gate.close()
+    loss.backward()
+    assert off._pipeline.in_flight and not gate.opened.is_set()
+    got = model(probe)  # waits for the CPU's chunks: the gate opens
+    assert gate.opened.is_set() and off._proto.landed and not off._pipeline.in_flight
+    assert not torch.equal(got, before)  # the host parameters' update is in it
+    assert torch.equal(model(probe), got)
+    off.step()
+    off.close()
