@@ -33,6 +33,9 @@
 #   full_overlap, full_bf16_overlap   full / full_bf16 with overlap_forward=model: the next
 #               forward starts while the CPU steps the last chunks
 #   full_auto_overlap, full_bf16_auto_overlap   both options
+#   full_stream, full_bf16_stream, full_overlap_stream, full_bf16_overlap_stream   the modes
+#               above with stream_share=--stream-share: the GPU steps that share of the host
+#               state, which crosses PCIe each step
 #
 # Configurations (ModelConfig of examples/llama_model.py; vocab 32000, untied head, no GQA
 # since the example's attention has none, so the counts differ a little from Llama's own):
@@ -84,7 +87,8 @@ RESULT_TAG = "CAPACITY_RESULT "
 GIB = float(1 << 30)
 
 MODES = ("floor", "none", "full", "full_bf16", "full_overlap", "full_bf16_overlap", "full_auto", "full_bf16_auto",
-         "full_auto_overlap", "full_bf16_auto_overlap")
+         "full_auto_overlap", "full_bf16_auto_overlap", "full_stream", "full_bf16_stream", "full_overlap_stream",
+         "full_bf16_overlap_stream")
 FULL_MODES = MODES[2:]
 DEFAULT_MODES = ("floor", "none", "full", "full_bf16", "full_auto", "full_bf16_auto")
 AUTO_MODES = ("full_auto", "full_bf16_auto", "full_auto_overlap", "full_bf16_auto_overlap")
@@ -96,7 +100,10 @@ MODE_OPTIONS = {"floor": (None, None, "bfloat16"), "none": ("none", "float32", "
                 "full_overlap": ("full", "float32", "bfloat16"),
                 "full_bf16_overlap": ("full", "bfloat16", "bfloat16"),
                 "full_auto_overlap": ("full", "float32", "bfloat16"),
-                "full_bf16_auto_overlap": ("full", "bfloat16", "bfloat16")}
+                "full_bf16_auto_overlap": ("full", "bfloat16", "bfloat16"),
+                "full_stream": ("full", "float32", "bfloat16"), "full_bf16_stream": ("full", "bfloat16", "bfloat16"),
+                "full_overlap_stream": ("full", "float32", "bfloat16"),
+                "full_bf16_overlap_stream": ("full", "bfloat16", "bfloat16")}
 _LLAMA = dict(vocab_size=32000)
 CONFIGS = {
     "1b": dict(_LLAMA, d_model=2048, n_layers=16, n_heads=16, ffn_dim=5632),
@@ -273,7 +280,8 @@ def _train(ex, cfg: dict, device) -> dict:
         opt = ex.build_optimizer(model, name="adamw", lr=cfg["lr"], weight_decay=0.1, offload=offload, grad_accum=1,
                                  state_dtype=getattr(torch, state_dtype),
                                  gpu_state="auto" if cfg["mode"] in AUTO_MODES else None,
-                                 overlap_forward=cfg["mode"].endswith("_overlap"))
+                                 overlap_forward="_overlap" in cfg["mode"],
+                                 stream_share=cfg["stream_share"] if cfg["mode"].endswith("_stream") else 0.0)
     setup_s = time.perf_counter() - t0
     sched = ex.make_scheduler(opt, lr=cfg["lr"], warmup=1, total=cfg["steps"], min_ratio=0.1)
     settings = ex.StepSettings(batch_size=cfg["tokens_per_step"] // cfg["seq_len"], seq_len=cfg["seq_len"],
@@ -454,6 +462,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--tokens", type=int, default=8192, help="tokens per step")
     p.add_argument("--seq-len", type=int, default=2048, help="tokens per sequence")
     p.add_argument("--time-limit-s", type=float, default=460.0, help="for the whole run, all modes")
+    p.add_argument("--stream-share", type=float, default=0.3,
+                   help="stream_share of the _stream modes (0 to 1, default 0.3)")
     p.add_argument("--lr", type=float, default=3e-4)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--device", choices=["auto", "cuda", "cpu"], default="auto")
@@ -469,6 +479,8 @@ def parse_args(argv=None) -> argparse.Namespace:
         p.error(f"--steps must be >= 2 (the first step warms up and is left out of the step time), got {args.steps}")
     if args.seq_len < 1:
         p.error(f"--seq-len must be >= 1, got {args.seq_len}")
+    if not 0.0 <= args.stream_share <= 1.0:
+        p.error(f"--stream-share must be from 0 to 1, got {args.stream_share}")
     if args.tokens < args.seq_len or args.tokens % args.seq_len:
         p.error(f"--tokens {args.tokens} must be a positive multiple of --seq-len {args.seq_len}")
     if not args.time_limit_s > 0:
@@ -489,7 +501,8 @@ def make_plan(args: argparse.Namespace) -> dict:
     names.sort(key=lambda n: n_params(CONFIGS[n]))
     forced = [c.strip() for c in args.force_oom.split(",") if c.strip()]
     common = {"steps": args.steps, "tokens_per_step": args.tokens, "seq_len": args.seq_len, "lr": args.lr,
-              "seed": args.seed, "device": args.device, "force_oom": forced, "profile": args.profile}
+              "seed": args.seed, "device": args.device, "force_oom": forced, "profile": args.profile,
+              "stream_share": args.stream_share}
     return {m: [dict(common, mode=m, config=n, model=CONFIGS[n]) for n in names] for m in modes}
 
 

@@ -104,6 +104,7 @@ def test_configuration_table_and_arguments(capacity):
         capacity.make_plan(capacity.parse_args(["--configs", "2b"]))
     for argv in (["--tokens", "100", "--seq-len", "64"], ["--seq-len", "0"], ["--json", "/nonexistent-dir/c.json"],
                  ["--lr", "-1"], ["--lr", "nan"],  # a bad --lr failed in each worker and the run exited 0
+                 ["--stream-share", "1.5"], ["--stream-share", "nan"],
                  ["--steps", "1"]):  # its one step is the warm-up, which the step time leaves out
         with pytest.raises(SystemExit):
             capacity.parse_args(argv)

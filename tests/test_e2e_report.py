@@ -156,7 +156,8 @@ def test_configs_plan_and_checks(e2e):
 @pytest.mark.parametrize("argv", [["--tokens", "0"], ["--tokens", "8k"], ["--tokens", ","], ["--warmup", "-1"],
                                   ["--seq-len", "0"], ["--n-layers", "0"], ["--nproc-per-node", "0"],
                                   ["--timeout", "0"], ["--timeout", "inf"], ["--d-model", "64", "--n-heads", "3"],
-                                  ["--modes", ","], ["--json", "/nonexistent-dir/e2e.json"]])
+                                  ["--modes", ","], ["--json", "/nonexistent-dir/e2e.json"],
+                                  ["--stream-share", "1.5"], ["--stream-share", "-0.1"], ["--stream-share", "nan"]])
 def test_bad_arguments_stop_before_any_run(e2e, argv, capsys):
     with pytest.raises(SystemExit) as exit_:
         e2e.parse_args(argv)
