@@ -293,7 +293,9 @@ class FullCPUOffloadOptimizer(WindowControls, torch.optim.Optimizer):
             evenly over the optimizer's order, whose master and moments stay in pinned host
             memory and are stepped on the device when the window closes: their state crosses
             to the device and back, the CPU steps the rest (streamed_step.py). The same bits
-            as the CPU's step. Default 0: the CPU steps every host parameter.
+            as the CPU's step. The window's last backward then returns without waiting for the
+            CPU's last chunks; step() waits for them (and a module forward before it). Default
+            0: the CPU steps every host parameter.
     """
 
     @property
