@@ -38,7 +38,8 @@ from cpu_offload._full.device_kernel import BLOCK, fused_adamw_, fused_adamw_ava
 from cpu_offload._full.grad_norms import local_norm
 
 __all__ = ["DeviceState", "AutoSplit", "choose_device_records", "device_bytes_per_element", "memory_reading",
-           "free_memory", "auto_margin", "host_margin", "records_to_free_host", "check_fused_step", "same_bits", "step_flat"]
+           "free_memory", "auto_margin", "host_margin", "records_to_free_host", "check_fused_step", "same_bits",
+           "step_flat"]
 
 # Elements stepped per pass: bounds the temporaries (about 20 B per element: the fp32
 # gradient, an fp32 product, the float64 square root; 1.3 GiB) whatever the parameter's size.

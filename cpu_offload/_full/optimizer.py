@@ -51,8 +51,8 @@ from cpu_offload._common.dtensor import local_of
 from cpu_offload._full.dtype_hint import add_note, watch_first_forward
 from cpu_offload._common.interrupts import deferred_interrupts
 from cpu_offload._full.options import (
-    check_clipping_options, check_gpu_state, check_keep_fp32, check_stream_share, check_optimizer, check_options, check_timeout,
-    read_hparams, ring_rooms, staging_rings,
+    check_clipping_options, check_gpu_state, check_keep_fp32, check_optimizer, check_options, check_stream_share,
+    check_timeout, read_hparams, ring_rooms, staging_rings,
 )
 from cpu_offload._full.binding import bind_for
 from cpu_offload._full.pipeline import Pipeline
@@ -1036,9 +1036,9 @@ class FullCPUOffloadOptimizer(WindowControls, torch.optim.Optimizer):
         since the library last wrote their weights (their step updates the edited weights,
         as in torch); returns those whose step already ran and whose weights were changed.
 
-        NOTE: with overlap_forward, while the window's weights may still be on their way
-        (wait_for_weights() not called), a version change is no sign of an edit: nothing is
-        checked then (an edit may be overwritten, docs/full-offload.md)."""
+        NOTE: with overlap_forward or stream_share, while the window's weights may still be on
+        their way (wait_for_weights() not called), a version change is no sign of an edit:
+        nothing is checked then (an edit may be overwritten, docs/full-offload.md)."""
         if self._proto.phase is not Phase.APPLIED or self._proto.landed or not self._lands_late:
             # NOTE: device records take theirs when they are stepped (_step_device_state)
             return adopt_edits_before_step([r for r in self._records if not r.on_device])
@@ -1050,7 +1050,7 @@ class FullCPUOffloadOptimizer(WindowControls, torch.optim.Optimizer):
         tensor taken before, after their window step ran during the last backward: that update
         is in them no more, so their step cannot update the written master as torch's would."""
         if self._proto.phase is not Phase.APPLIED or (self._lands_late and not self._proto.landed):
-            return []  # NOTE: with overlap_forward the worker may be stepping them: the next backward takes them
+            return []  # NOTE: the worker may be stepping them (overlap_forward, stream_share): the next backward takes them
         return [(r, r.master.clone()) for r in self._records
                 if not r.on_device and r.pieces_done and r.master_written()]
 

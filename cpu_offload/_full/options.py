@@ -22,8 +22,8 @@ from cpu_offload._common.wrapping import check_not_offloaded
 from cpu_offload.optim import SignSGD
 from cpu_offload._full.packing import align_up
 
-__all__ = ["check_optimizer", "check_options", "check_keep_fp32", "check_gpu_state", "check_stream_share", "staging_rings", "ring_rooms",
-           "Rings", "read_hparams"]
+__all__ = ["check_optimizer", "check_options", "check_keep_fp32", "check_gpu_state", "check_stream_share",
+           "staging_rings", "ring_rooms", "Rings", "read_hparams"]
 
 _UNSUPPORTED_ADAMW = ("amsgrad", "maximize", "capturable", "differentiable")
 
