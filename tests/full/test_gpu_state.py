@@ -220,20 +220,26 @@ def test_the_host_shortage_is_covered_by_parameters_spread_over_the_order():
     assert device_state.records_to_free_host(recs, 801, by_numel) is None  # cannot cover it
 
 
-@pytest.mark.parametrize("save_budget, load_budget", [(None, HALF_STATE), (EVERYTHING, None), (HALF_STATE, EVERYTHING)])
-def test_a_checkpoint_loads_with_any_split(save_budget, load_budget):
-    model, saved, _ = train("adamw", 1, 3, gpu_state=save_budget)
+def assert_a_checkpoint_loads_across(saved_with: dict, loaded_with: dict) -> None:
+    """A checkpoint of a run with the options ``saved_with`` loads, bit for bit, into an
+    optimizer built with ``loaded_with`` (a split of the state, a stream share)."""
+    model, saved, _ = train("adamw", 1, 3, **{"gpu_state": None, **saved_with})
     sd = saved.state_dict()
     sd = {"state": {i: {k: v.clone() for k, v in e.items()} for i, e in sd["state"].items()},
           "param_groups": sd["param_groups"]}
     expected = state_of(model, saved)
     other, opt = build("adamw", seed=1)
-    off = FullCPUOffloadOptimizer(opt, gpu_state=load_budget, **SMALL)
+    off = FullCPUOffloadOptimizer(opt, **loaded_with, **SMALL)
     off.load_state_dict(sd)
     loaded = state_of(other, off)
     for n, (master, m, v, step, _) in expected.items():
         assert torch.equal(loaded[n][0], master) and torch.equal(loaded[n][1], m) and torch.equal(loaded[n][2], v)
         assert loaded[n][3] == step and torch.equal(loaded[n][4], master.view_as(loaded[n][4]).bfloat16()), n
+
+
+@pytest.mark.parametrize("save_budget, load_budget", [(None, HALF_STATE), (EVERYTHING, None), (HALF_STATE, EVERYTHING)])
+def test_a_checkpoint_loads_with_any_split(save_budget, load_budget):
+    assert_a_checkpoint_loads_across(dict(gpu_state=save_budget), dict(gpu_state=load_budget))
 
 
 @pytest.mark.parametrize("bad", [-1, 1.5, True, "all", [1]])

@@ -11,7 +11,7 @@ import torch
 from cpu_offload._full import streamed_step
 from cpu_offload._full.optimizer import FullCPUOffloadOptimizer
 from helpers import SMALL, Gate, assert_same_state, batches, named, records_of, sigint_at_line, train_step
-from test_gpu_state import build, state_of, train
+from test_gpu_state import assert_a_checkpoint_loads_across, build, state_of, train
 
 
 @pytest.fixture
@@ -63,18 +63,7 @@ def test_a_clipped_stream_share_steps_each_parameter_as_the_path_it_took(how, sm
 
 @pytest.mark.parametrize("save_share, load_share", [(0.0, 0.5), (1.0, 0.0), (0.5, 1.0)])
 def test_a_checkpoint_loads_with_any_stream_share(save_share, load_share):
-    model, saved, _ = train("adamw", 1, 3, gpu_state=None, stream_share=save_share)
-    sd = saved.state_dict()
-    sd = {"state": {i: {k: v.clone() for k, v in e.items()} for i, e in sd["state"].items()},
-          "param_groups": sd["param_groups"]}
-    expected = state_of(model, saved)
-    other, opt = build("adamw", seed=1)
-    off = FullCPUOffloadOptimizer(opt, stream_share=load_share, **SMALL)
-    off.load_state_dict(sd)
-    loaded = state_of(other, off)
-    for n, (master, m, v, step, _) in expected.items():
-        assert torch.equal(loaded[n][0], master) and torch.equal(loaded[n][1], m) and torch.equal(loaded[n][2], v)
-        assert loaded[n][3] == step and torch.equal(loaded[n][4], master.view_as(loaded[n][4]).bfloat16()), n
+    assert_a_checkpoint_loads_across(dict(stream_share=save_share), dict(stream_share=load_share))
 
 
 @pytest.mark.parametrize("bad", [-0.1, 1.5, True, "auto", None, float("nan")])
