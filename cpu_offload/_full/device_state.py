@@ -21,7 +21,8 @@
 # parameter) or, with accumulation, an fp32 accumulator in device memory.
 #
 # Scope: choosing the device parameters (a budget, or gpu_state="auto"'s reading of the
-# device's memory), their state, their gradients and norms, their step.
+# device's memory), their state, their gradients and norms, their step; the same for the
+# streamed parameters (stream_share=), whose state streamed_step.py keeps on the host.
 # Non-goals: the host pipeline (pipeline.py), deciding skip / clip (validation.py).
 
 from __future__ import annotations

@@ -101,6 +101,8 @@ class StreamedStep:
         return [tuple(span) for span in spans]
 
     def _ring(self) -> list:
+        """Per state tensor, the device slots (made at the first step, kept: the caching
+        allocator never sees them freed while a copy on another stream may use them)."""
         if self._slots is None:
             self._slots = [[torch.empty(self._slot_elements, dtype=t.dtype, device=self.device)
                             for _ in range(self._num_slots)] for t in self._flat()]
