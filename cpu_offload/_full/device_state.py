@@ -284,15 +284,12 @@ class DeviceState:
         self._norms: Optional[torch.Tensor] = None
         self._slot: dict = {}
         self.streamed = streamed
+        self._streamed_ids = frozenset() if streamed is None else frozenset(id(r) for r in streamed.records)
         self.add(records)
-        if streamed is not None:
-            for rec in streamed.records:
-                device = rec.local().device
-                rec.accum = torch.zeros(rec.numel, dtype=torch.float32, device=device) if accumulate else None
-                rec.retained = None
-                rec.on_device = True
-                self._slot[id(rec)] = len(self.records)
-                self.records.append(rec)
+        for rec in [] if streamed is None else streamed.records:
+            device = rec.local().device
+            rec.accum = torch.zeros(rec.numel, dtype=torch.float32, device=device) if accumulate else None
+            self._register(rec)
 
     def add(self, records: list) -> None:
         """Move ``records``' state to their parameters' device: a new record takes its
@@ -316,18 +313,21 @@ class DeviceState:
                 # NOTE: assigned only once all of its tensors exist: an out-of-memory error on
                 # any of them leaves the record whole on the host
                 rec.master, rec.exp_avg, rec.exp_avg_sq, rec.accum = master, exp_avg, exp_avg_sq, accum
-                rec.retained = None
-                rec.on_device = True
-                self._slot[id(rec)] = len(self.records)
-                self.records.append(rec)
+                self._register(rec)
         self._norms = None
+
+    def _register(self, rec) -> None:
+        """``rec`` is a device record from now on: its gradient and its step are this object's."""
+        rec.retained = None
+        rec.on_device = True
+        self._slot[id(rec)] = len(self.records)
+        self.records.append(rec)
 
     @property
     def nbytes(self) -> int:
         """Bytes of state in device memory (a streamed record's own: its accumulator)."""
-        streamed = set() if self.streamed is None else {id(r) for r in self.streamed.records}
         return sum(t.numel() * t.element_size() for r in self.records
-                   for t in ((r.accum,) if id(r) in streamed else (r.master, r.exp_avg, r.exp_avg_sq, r.accum))
+                   for t in ((r.accum,) if id(r) in self._streamed_ids else (r.master, r.exp_avg, r.exp_avg_sq, r.accum))
                    if t is not None)
 
     @property
@@ -386,7 +386,7 @@ class DeviceState:
         returns them."""
         stepped = []
         due = [rec for rec in self.records if rec.pieces_total and not rec.stepped]
-        streamed = set() if self.streamed is None else {id(r) for r in self.streamed.records}
+        streamed = self._streamed_ids
         with torch.no_grad():
             if streamed:
                 # NOTE: first: its copies then overlap the device records' step
